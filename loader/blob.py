@@ -1,0 +1,116 @@
+"""Blob layout: all tensors of one expert in one precision, packed into one contiguous buffer.
+
+Owns: where each encoded field sits inside a blob, and the conversion between a blob's bytes
+and the scheme's fields. Invariants: every field starts on a 256-byte boundary (so any dtype
+view is aligned), and a blob's stride in a file is a multiple of 4 KiB, so one expert moves
+with exactly one copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import quant
+from loader.layout import ExpertLayout
+from quant import FieldSpec, QuantizedTensor
+
+FIELD_ALIGN = 256
+BLOB_ALIGN = 4096
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8)}
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class PlacedField:
+    tensor: str
+    spec: FieldSpec
+    offset: int
+
+
+@dataclass(frozen=True)
+class BlobLayout:
+    """Where every field of one expert's encoding lives inside its blob."""
+
+    precision: str
+    shapes: tuple[tuple[str, tuple[int, ...]], ...]
+    fields: tuple[PlacedField, ...]
+    nbytes: int
+
+    @property
+    def stride(self) -> int:
+        """Bytes a blob occupies in a file or pool: ``nbytes`` rounded up to 4 KiB."""
+        return align(self.nbytes, BLOB_ALIGN)
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """Quantize one expert's tensors into a fresh uint8 blob of ``stride`` bytes; also the SQNR (dB) per tensor."""
+        scheme = quant.get_scheme(self.precision)
+        blob = torch.zeros(self.stride, dtype=torch.uint8)  # [stride]
+        sqnr: dict[str, float] = {}
+        for name, shape in self.shapes:
+            w = tensors[name]
+            if tuple(w.shape) != shape:
+                raise ValueError(f"expert tensor {name!r} has shape {tuple(w.shape)}, layout says {shape}")
+            q = scheme.quantize(w)
+            for pf in self.fields:
+                if pf.tensor == name:
+                    src = q.data[pf.spec.name].contiguous().view(-1).view(torch.uint8)
+                    blob[pf.offset : pf.offset + src.numel()].copy_(src)
+            if not scheme.lossless:
+                back = torch.empty(shape, dtype=torch.bfloat16)
+                scheme.dequantize(q, out=back)
+                sqnr[name] = quant.sqnr_db(w, back)
+        return blob, sqnr
+
+    def views(self, blob: torch.Tensor) -> dict[str, QuantizedTensor]:
+        """Zero-copy views of a uint8 blob (on any device) as the scheme's fields."""
+        data: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in self.shapes}
+        for pf in self.fields:
+            raw = blob[pf.offset : pf.offset + pf.spec.nbytes]
+            data[pf.tensor][pf.spec.name] = raw.view(pf.spec.dtype).view(pf.spec.shape)
+        return {name: QuantizedTensor(self.precision, shape, data[name]) for name, shape in self.shapes}
+
+    def dequantize_into(self, blob: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """Decode a blob into the compute-dtype tensors ``out`` (slot memory), on the blob's device."""
+        scheme = quant.get_scheme(self.precision)
+        for name, q in self.views(blob).items():
+            scheme.dequantize(q, out=out[name])
+
+    def to_json(self) -> dict:
+        return {
+            "precision": self.precision,
+            "nbytes": self.nbytes,
+            "stride": self.stride,
+            "fields": [
+                {"tensor": f.tensor, "field": f.spec.name, "dtype": dtype_name(f.spec.dtype), "shape": list(f.spec.shape), "offset": f.offset}
+                for f in self.fields
+            ],
+        }
+
+
+def blob_layout(layout: ExpertLayout, precision: str) -> BlobLayout:
+    scheme = quant.get_scheme(precision)
+    placed: list[PlacedField] = []
+    offset = 0
+    for t in layout.tensors:
+        for spec in scheme.fields(t.shape):
+            offset = align(offset, FIELD_ALIGN)
+            placed.append(PlacedField(t.name, spec, offset))
+            offset += spec.nbytes
+    shapes = tuple((t.name, t.shape) for t in layout.tensors)
+    return BlobLayout(precision, shapes, tuple(placed), offset)

@@ -1,0 +1,120 @@
+"""Expert layout: what one expert's tensors look like, discovered from the experts module.
+
+Owns: ``ExpertKey``, ``ExpertTensor`` and ``ExpertLayout``, and finding the experts modules of a
+model. Discovery reads parameter names, shapes and the flags that transformers'
+``use_experts_implementation`` sets on the module (``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``); it never looks at the model class.
+Invariant: every 3D+ parameter whose first dimension is ``num_experts`` is an expert tensor,
+and one expert's slice of it is ``param[e]``.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, order=True)
+class ExpertKey:
+    """One expert of one MoE layer."""
+
+    layer: int
+    expert: int
+
+    def __str__(self) -> str:
+        return f"layer {self.layer} expert {self.expert}"
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One tensor of one expert: ``name`` is the experts-module parameter it is a slice of."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """The per-layer description of an expert: tensor names and shapes plus the forward flags."""
+
+    num_experts: int
+    tensors: tuple[ExpertTensor, ...]
+    has_gate: bool = True
+    has_bias: bool = False
+    is_transposed: bool = False
+    is_concatenated: bool = True
+
+    def nbytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        return sum(t.numel for t in self.tensors) * dtype.itemsize
+
+    @property
+    def signature(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Layers with the same signature can share GPU slots."""
+        return tuple((t.name, t.shape) for t in self.tensors)
+
+    def to_json(self) -> dict:
+        return {
+            "num_experts": self.num_experts,
+            "tensors": [{"name": t.name, "shape": list(t.shape)} for t in self.tensors],
+            "has_gate": self.has_gate,
+            "has_bias": self.has_bias,
+            "is_transposed": self.is_transposed,
+            "is_concatenated": self.is_concatenated,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ExpertLayout:
+        return cls(
+            num_experts=int(d["num_experts"]),
+            tensors=tuple(ExpertTensor(t["name"], tuple(int(s) for s in t["shape"])) for t in d["tensors"]),
+            has_gate=bool(d["has_gate"]),
+            has_bias=bool(d["has_bias"]),
+            is_transposed=bool(d["is_transposed"]),
+            is_concatenated=bool(d["is_concatenated"]),
+        )
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """True for modules wrapped by transformers' ``use_experts_implementation``."""
+    return hasattr(module, "num_experts") and hasattr(module, "has_gate") and hasattr(module, "is_transposed")
+
+
+def discover_layout(module: torch.nn.Module) -> ExpertLayout:
+    num_experts = int(module.num_experts)
+    tensors = tuple(
+        ExpertTensor(name, tuple(p.shape[1:]))
+        for name, p in module.named_parameters(recurse=False)
+        if p.dim() >= 2 and p.shape[0] == num_experts
+    )
+    if not tensors:
+        raise ValueError(f"experts module {type(module).__name__} has no parameter with a leading dim of {num_experts}")
+    return ExpertLayout(
+        num_experts=num_experts,
+        tensors=tensors,
+        has_gate=bool(module.has_gate),
+        has_bias=bool(getattr(module, "has_bias", False)),
+        is_transposed=bool(module.is_transposed),
+        is_concatenated=bool(getattr(module, "is_concatenated", True)),
+    )
+
+
+def find_experts_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module]]:
+    """Map layer index -> (qualified name, experts module). The index comes from ``layers.{i}.``."""
+    found: dict[int, tuple[str, torch.nn.Module]] = {}
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        m = _LAYER_RE.search(name + ".")
+        layer = int(m.group(1)) if m else len(found)
+        if layer in found:
+            raise ValueError(f"two experts modules claim layer {layer}: {found[layer][0]} and {name}")
+        found[layer] = (name, module)
+    return dict(sorted(found.items()))

@@ -1,0 +1,322 @@
+"""Pack: a Hugging Face MoE checkpoint directory -> the packed format of ``loader.packed``.
+
+Owns: mapping source keys onto the model's experts modules, fusing per-expert projections into
+the module's own layout, encoding each expert once per precision, and writing the result
+atomically. Invariants: the source is streamed one expert (or one dense tensor) at a time;
+the output is built in a temporary directory beside the destination and renamed into place
+only when complete, so an interrupted pack never leaves a directory that loads.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+import quant
+from loader.blob import BLOB_ALIGN, align, blob_layout
+from loader.layout import ExpertLayout, discover_layout, find_experts_modules
+from loader.packed import MANIFEST, file_crc32, manifest_json
+from loader.skeleton import build_skeleton, key_renamer
+from loader.source import SourceCheckpoint
+
+DEFAULT_PRECISIONS = ("bf16", "int8")
+DENSE_SHARD_BYTES = 1 << 30
+
+# Per-expert projection names seen in checkpoints, by role.
+_ROLE_ALIASES = {"gate": ("gate_proj", "w1"), "up": ("up_proj", "w3"), "down": ("down_proj", "w2")}
+_PROJ_ROLE = {alias: role for role, names in _ROLE_ALIASES.items() for alias in names}
+# Which roles make each fused experts-module tensor.
+_TENSOR_ROLES = {
+    "gate_up_proj": (("gate", "up"), "weight"),
+    "gate_up_proj_bias": (("gate", "up"), "bias"),
+    "up_proj": (("up",), "weight"),
+    "up_proj_bias": (("up",), "bias"),
+    "down_proj": (("down",), "weight"),
+    "down_proj_bias": (("down",), "bias"),
+}
+_PER_EXPERT_RE = re.compile(r"^(?P<mod>.+)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$")
+
+
+@dataclass
+class PackSummary:
+    dst: Path
+    experts: int
+    layers: int
+    bytes_per_precision: dict[str, int]
+    dense_bytes: int
+    seconds: float
+    skipped_keys: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        per = ", ".join(f"{p}: {n / gib:.3f} GiB" for p, n in self.bytes_per_precision.items())
+        s = (
+            f"packed {self.experts} experts in {self.layers} MoE layers into {self.dst} in {self.seconds:.1f} s\n"
+            f"  experts by precision: {per}\n  dense: {self.dense_bytes / gib:.3f} GiB"
+        )
+        if self.skipped_keys:
+            s += f"\n  skipped {len(self.skipped_keys)} checkpoint keys the model does not use: {self.skipped_keys[:5]}"
+        return s
+
+
+@dataclass
+class _ExpertSource:
+    """Where one layer's experts come from in the source checkpoint."""
+
+    fused: dict[str, str] = field(default_factory=dict)  # tensor name -> fused key [E, ...]
+    parts: dict[tuple[int, str, str], str] = field(default_factory=dict)  # (expert, role, kind) -> key
+
+
+def _fuse(layout: ExpertLayout, parts: dict[tuple[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert projections -> the experts module's own tensors for one expert."""
+    out = {}
+    for t in layout.tensors:
+        roles, kind = _TENSOR_ROLES[t.name]
+        pieces = [parts[(r, kind)] for r in roles]
+        if len(pieces) == 1:
+            fused = pieces[0]
+        elif layout.is_concatenated:
+            fused = torch.cat(pieces, dim=0)  # [2I, H] or [2I]
+        else:
+            fused = torch.stack(pieces, dim=1).reshape(-1, *pieces[0].shape[1:])  # [2I, H] rows interleaved
+        if layout.is_transposed and fused.dim() == 2:
+            fused = fused.t()
+        out[t.name] = fused.contiguous()
+    return out
+
+
+def _plan(src: SourceCheckpoint, model: torch.nn.Module):
+    """Sort every source key into dense (model key), experts (layer -> source) or skipped."""
+    rename = key_renamer(model)
+    experts = find_experts_modules(model)
+    if not experts:
+        raise ValueError(f"model type {model.config.model_type!r} has no experts module that transformers' experts registry drives")
+    by_module = {name: layer for layer, (name, _) in experts.items()}
+    layouts = {layer: discover_layout(mod) for layer, (_, mod) in experts.items()}
+    dense_targets = set(model.state_dict().keys())
+    expert_params = {f"{name}.{t.name}" for layer, (name, _) in experts.items() for t in layouts[layer].tensors}
+    dense_targets -= expert_params
+    dense: dict[str, str] = {}
+    sources = {layer: _ExpertSource() for layer in experts}
+    skipped: list[str] = []
+    for key in src.keys():
+        new = rename(key)
+        if new in dense_targets:
+            dense[new] = key
+            continue
+        mod, _, leaf = new.rpartition(".")
+        if mod in by_module and leaf in {t.name for t in layouts[by_module[mod]].tensors}:
+            sources[by_module[mod]].fused[leaf] = key
+            continue
+        m = _PER_EXPERT_RE.match(new)
+        if m and m["mod"] in by_module and m["proj"] in _PROJ_ROLE:
+            sources[by_module[m["mod"]]].parts[(int(m["e"]), _PROJ_ROLE[m["proj"]], m["kind"])] = key
+            continue
+        skipped.append(key)
+    missing_dense = sorted(dense_targets - dense.keys() - _tied_keys(model))
+    if missing_dense:
+        raise ValueError(f"source checkpoint lacks model weights {missing_dense[:8]} (of {len(missing_dense)} missing)")
+    for layer, s in sources.items():
+        layout = layouts[layer]
+        for t in layout.tensors:
+            if t.name in s.fused:
+                continue
+            roles, kind = _TENSOR_ROLES.get(t.name, ((), ""))
+            if not roles:
+                raise ValueError(f"layer {layer}: expert tensor {t.name!r} has no fused key in the checkpoint and no known per-expert form")
+            for e in range(layout.num_experts):
+                for r in roles:
+                    if (e, r, kind) not in s.parts:
+                        raise ValueError(
+                            f"layer {layer} expert {e}: checkpoint has no {r} projection {kind} for {t.name!r} "
+                            f"(looked for {experts[layer][0]}.{e}.{{{','.join(_ROLE_ALIASES[r])}}}.{kind})"
+                        )
+    return experts, layouts, dense, sources, skipped
+
+
+def _tied_keys(model: torch.nn.Module) -> set[str]:
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if isinstance(tied, dict) and getattr(model.config, "tie_word_embeddings", False):
+        return set(tied.keys())
+    if getattr(model.config, "tie_word_embeddings", False):
+        return {"lm_head.weight"}
+    return set()
+
+
+def _read_expert(src: SourceCheckpoint, layout: ExpertLayout, s: _ExpertSource, e: int) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    parts: dict[tuple[str, str], torch.Tensor] = {}
+    for t in layout.tensors:
+        if t.name in s.fused:
+            tensors[t.name] = src.get_expert(s.fused[t.name], e).contiguous()
+        else:
+            roles, kind = _TENSOR_ROLES[t.name]
+            for r in roles:
+                parts[(r, kind)] = src.get(s.parts[(e, r, kind)])
+    if parts:
+        fused = _fuse(layout, parts)
+        tensors.update({k: v for k, v in fused.items() if k not in tensors})
+    for t in layout.tensors:
+        if tuple(tensors[t.name].shape) != t.shape:
+            raise ValueError(f"expert {e}: {t.name!r} came out as {tuple(tensors[t.name].shape)}, the model expects {t.shape}")
+    return tensors
+
+
+def _safetensors_header(names_sizes: list[tuple[str, int]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header for uint8 tensors laid end to end, padded so data starts on 4 KiB."""
+    hdr: dict = {"__metadata__": metadata}
+    off = 0
+    for name, size in names_sizes:
+        hdr[name] = {"dtype": "U8", "shape": [size], "data_offsets": [off, off + size]}
+        off += size
+    raw = json.dumps(hdr, separators=(",", ":")).encode()
+    total = align(8 + len(raw), BLOB_ALIGN)
+    raw += b" " * (total - 8 - len(raw))
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def pack(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    precisions: tuple[str, ...] | list[str] = DEFAULT_PRECISIONS,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PackSummary:
+    """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``."""
+    t0 = time.perf_counter()
+    src_path, dst = Path(src), Path(dst)
+    precisions = list(dict.fromkeys(precisions))
+    for p in precisions:
+        quant.get_scheme(p)  # ValueError naming the unknown precision
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"destination {str(dst)!r} exists; pass --overwrite (overwrite=True) to replace it")
+    source = SourceCheckpoint(src_path)
+    config = AutoConfig.from_pretrained(src_path)
+    model = build_skeleton(config)
+    experts, layouts, dense, sources, skipped = _plan(source, model)
+
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        for f in source.carried_files():
+            shutil.copy2(f, tmp / f.name)
+        dense_files = _write_dense(source, dense, tmp)
+        layer_docs, bytes_per_precision = _write_experts(source, experts, layouts, sources, precisions, tmp, progress)
+        pack_doc = {"precisions": precisions, "source": src_path.name, "seconds": round(time.perf_counter() - t0, 3)}
+        (tmp / MANIFEST).write_text(
+            manifest_json(
+                model_type=config.model_type,
+                precisions=precisions,
+                layers=layer_docs,
+                dense_files=dense_files,
+                pack=pack_doc,
+                skipped_keys=skipped,
+            )
+        )
+        if dst.exists():
+            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            dst.rename(old)
+            tmp.rename(dst)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        source.close()
+    n_experts = sum(layouts[L].num_experts for L in layouts)
+    dense_bytes = sum(f["nbytes"] for f in dense_files.values())
+    return PackSummary(dst, n_experts, len(layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0, skipped)
+
+
+def _write_dense(source: SourceCheckpoint, dense: dict[str, str], out: Path) -> dict[str, dict]:
+    """Dense weights under the model's names, in shards of about 1 GiB, one tensor in memory at a time per shard."""
+    files: dict[str, dict] = {}
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        if not shard:
+            return
+        name = f"dense-{len(files) + 1:05d}.safetensors"
+        save_file(shard, out / name, metadata={"format": "pt"})
+        files[name] = {"crc32": file_crc32(out / name), "nbytes": (out / name).stat().st_size}
+        shard, size = {}, 0
+
+    for model_key, src_key in sorted(dense.items(), key=lambda kv: (source.key_to_file[kv[1]], kv[0])):
+        t = source.get(src_key).contiguous()
+        shard[model_key] = t
+        size += t.numel() * t.element_size()
+        if size >= DENSE_SHARD_BYTES:
+            flush()
+    flush()
+    return files
+
+
+def _write_experts(source, experts, layouts, sources, precisions, out: Path, progress: bool):
+    total = sum(layouts[L].num_experts for L in layouts)
+    bar = tqdm(total=total, desc="packing experts", unit="expert", disable=not progress)
+    bytes_per_precision = dict.fromkeys(precisions, 0)
+    layer_docs = []
+    for layer, (module_name, _) in experts.items():
+        layout = layouts[layer]
+        blobs = {p: blob_layout(layout, p) for p in precisions}
+        handles, data_start, rel = {}, {}, {}
+        for p in precisions:
+            rel[p] = f"experts/{p}/layer-{layer:04d}.safetensors"
+            (out / rel[p]).parent.mkdir(parents=True, exist_ok=True)
+            header = _safetensors_header(
+                [(f"expert.{e}", blobs[p].stride) for e in range(layout.num_experts)],
+                {"format": "tiers-blob", "precision": p, "layer": str(layer)},
+            )
+            handles[p] = open(out / rel[p], "wb")
+            handles[p].write(header)
+            data_start[p] = len(header)
+        entries = []
+        try:
+            for e in range(layout.num_experts):
+                tensors = _read_expert(source, layout, sources[layer], e)
+                entry: dict = {"expert": e}
+                for p in precisions:
+                    blob, sqnr = blobs[p].encode(tensors)
+                    raw = blob.numpy().tobytes()
+                    handles[p].write(raw)
+                    entry[p] = {
+                        "file": rel[p],
+                        "offset": data_start[p] + e * blobs[p].stride,
+                        "nbytes": blobs[p].nbytes,
+                        "crc32": zlib.crc32(raw[: blobs[p].nbytes]),
+                        "sqnr_db": round(min(sqnr.values()), 3) if sqnr else None,
+                    }
+                    bytes_per_precision[p] += blobs[p].stride
+                entries.append(entry)
+                bar.update(1)
+        finally:
+            for h in handles.values():
+                h.close()
+        layer_docs.append(
+            {
+                "layer": layer,
+                "module": module_name,
+                "layout": layout.to_json(),
+                "blobs": {p: blobs[p].to_json() for p in precisions},
+                "experts": entries,
+            }
+        )
+    bar.close()
+    return layer_docs, bytes_per_precision

@@ -1,0 +1,10 @@
+"""Quantization schemes for expert weights in transit: bf16 (lossless), int8 (per row), bnb8.
+
+Pure functions over tensors; no knowledge of tiers, files or streams.
+"""
+from quant import bnb as _bnb  # noqa: F401  (registers "bnb8")
+from quant import int8 as _int8  # noqa: F401  (registers "int8")
+from quant import plain as _plain  # noqa: F401  (registers "bf16")
+from quant.core import FieldSpec, QuantizedTensor, Scheme, get_scheme, scheme_names, sqnr_db
+
+__all__ = ["FieldSpec", "QuantizedTensor", "Scheme", "get_scheme", "scheme_names", "sqnr_db"]
