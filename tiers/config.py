@@ -1,0 +1,154 @@
+"""The YAML config, mapped onto frozen dataclasses and validated at the boundary.
+
+Owns: parsing, defaults and validation. Every error is a ValueError naming the key (dotted,
+e.g. ``tiers.gpu.fraction``), the value given and what is allowed. Sizes are a fraction in
+[0, 1] (``fraction: 0.25``) or bytes (``budget: 24GiB``, ``budget: 512MB``, ``budget: 1073741824``).
+Checks that need the packed checkpoint (a budget smaller than one expert, a precision that
+was not packed) happen in ``tiers.policy.plan_placement``.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import quant
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+@dataclass(frozen=True)
+class TierSize:
+    """Either a fraction of all experts or an absolute byte budget (exactly one is set)."""
+
+    fraction: float | None = None
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
+class GpuTier:
+    size: TierSize = TierSize(fraction=0.25)
+    precision: str = "bf16"  # the packed precision hot experts are loaded from
+    staging_slots: int = 2  # GPU slots for misses, inside the budget
+
+
+@dataclass(frozen=True)
+class CpuTier:
+    size: TierSize = TierSize(fraction=0.5)
+    precision: str = "int8"
+
+
+@dataclass(frozen=True)
+class NvmeTier:
+    precision: str = "int8"
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    gpu: GpuTier = field(default_factory=GpuTier)
+    cpu: CpuTier = field(default_factory=CpuTier)
+    nvme: NvmeTier = field(default_factory=NvmeTier)
+
+
+def parse_size(value: Any, key: str) -> int:
+    """``24GiB`` / ``512MB`` / an int -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB (units: B, KB, MB, GB, KiB, MiB, GiB, TiB), got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{key}: a budget must be positive, got {value!r}")
+    return n
+
+
+def _check_keys(d: Any, key: str, allowed: set[str]) -> dict:
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ValueError(f"{key}: expected a mapping with keys {sorted(allowed)}, got {type(d).__name__} {d!r}")
+    for k in d:
+        if k not in allowed:
+            raise ValueError(f"{key}.{k}: unknown key; allowed: {sorted(allowed)}")
+    return d
+
+
+def _size(d: dict, key: str, default: TierSize) -> TierSize:
+    has_f, has_b = "fraction" in d, "budget" in d
+    if has_f and has_b:
+        raise ValueError(f"{key}: give either fraction or budget, not both (got fraction={d['fraction']!r}, budget={d['budget']!r})")
+    if has_b:
+        return TierSize(budget=parse_size(d["budget"], f"{key}.budget"))
+    if has_f:
+        f = d["fraction"]
+        if isinstance(f, bool) or not isinstance(f, (int, float)):
+            raise ValueError(f"{key}.fraction: expected a number in [0, 1], got {f!r}")
+        if not 0.0 <= float(f) <= 1.0:
+            raise ValueError(f"{key}.fraction: must be in [0, 1], got {f!r}")
+        return TierSize(fraction=float(f))
+    return default
+
+
+def _precision(d: dict, key: str, default: str) -> str:
+    p = d.get("precision", default)
+    if not isinstance(p, str) or p not in quant.scheme_names():
+        raise ValueError(f"{key}.precision: unknown precision {p!r}; allowed: {list(quant.scheme_names())}")
+    return p
+
+
+def parse_config(doc: Any) -> TiersConfig:
+    """A parsed YAML document (dict) -> TiersConfig."""
+    top = _check_keys(doc, "config", {"tiers"})
+    tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme"})
+    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots"})
+    c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
+    n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision"})
+    d = TiersConfig()
+    slots = g.get("staging_slots", d.gpu.staging_slots)
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
+        raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024], got {slots!r}")
+    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots)
+    cpu = CpuTier(_size(c, "tiers.cpu", d.cpu.size), _precision(c, "tiers.cpu", d.cpu.precision))
+    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision))
+    if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
+        raise ValueError(
+            f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
+            f"{gpu.size.fraction} + {cpu.size.fraction} = {gpu.size.fraction + cpu.size.fraction}"
+        )
+    return TiersConfig(gpu, cpu, nvme)
+
+
+def load_config(config: str | Path | dict | TiersConfig | None) -> TiersConfig:
+    """``config`` may be a YAML file path, an already parsed dict, a TiersConfig, or None (defaults)."""
+    if config is None:
+        return TiersConfig()
+    if isinstance(config, TiersConfig):
+        return config
+    if isinstance(config, dict):
+        return parse_config(config)
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_file():
+            raise ValueError(f"config: file {str(path)!r} does not exist")
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ValueError(f"config: {str(path)!r} is not valid YAML: {e}") from None
+        return parse_config(doc)
+    raise ValueError(f"config: expected a YAML path, a dict or None, got {type(config).__name__}")
+
+
+def precisions_needed(cfg: TiersConfig) -> list[str]:
+    """The precisions a pack must hold for this config (bf16 always, for exact hot experts)."""
+    return list(dict.fromkeys(["bf16", cfg.gpu.precision, cfg.cpu.precision, cfg.nvme.precision]))
