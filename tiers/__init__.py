@@ -1,0 +1,12 @@
+"""Tiers: serve MoE experts from GPU (bf16), pinned CPU (int8) and NVMe tiers.
+
+    model = tiers.load("packed/", config="tiers.yaml")
+    model.generate(...)
+    print(tiers.stats(model))
+"""
+from tiers.config import TiersConfig, load_config
+from tiers.disk_store import IntegrityError
+from tiers.integration import load, stats
+from tiers.stats import TierStats
+
+__all__ = ["IntegrityError", "TierStats", "TiersConfig", "load", "load_config", "stats"]

@@ -1,0 +1,308 @@
+"""The tier manager: one engine that serves experts to the experts forward from three tiers.
+
+Owns: the residency table, the GPU slot pools, the pinned host pool, the disk store and the
+staging path between them, plus the stream and event discipline:
+
+- a miss claims a staging slot (LRU among slots nobody holds), the copy stream waits on that
+  slot's last-read event, the expert's blob goes host -> device on the copy stream (from the
+  pinned pool, or from disk through a pinned ring buffer) and is dequantized there into the
+  slot, and a ready event is recorded;
+- the compute stream waits on the ready event only right before the expert's first kernel;
+- after the expert's kernels are queued the slot's last-read event is recorded on the compute
+  stream, and the slot may be reused only after that.
+
+Streams and events come from ``torch.get_device_module(device)`` (``torch.cpu`` supplies working
+stubs), through an injectable ``Streams`` object, so CPU tests exercise the same code.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+import quant
+from loader.layout import ExpertKey
+from loader.packed import Manifest
+from tiers.config import TiersConfig
+from tiers.disk_store import DiskStore
+from tiers.host_pool import HostPool, assert_pinned, copy_h2d_async
+from tiers.policy import LruSlots, Placement
+from tiers.residency import Home, Op, Residency, ResidencyTable
+from tiers.slots import SlotPool
+from tiers.stats import StatsCollector, TierStats
+
+
+class Streams:
+    """Streams and events of one device; tests pass a recording fake with the same methods."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.module = torch.get_device_module(device)
+
+    def new_stream(self) -> Any:
+        return self.module.Stream(device=self.device) if self.device.type == "cuda" else self.module.Stream()
+
+    def current(self) -> Any:
+        return self.module.current_stream(self.device) if self.device.type == "cuda" else self.module.current_stream()
+
+    def event(self, timing: bool = False) -> Any:
+        return self.module.Event(enable_timing=timing) if self.device.type == "cuda" else self.module.Event()
+
+    def use(self, stream: Any):
+        return self.module.stream(stream)
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A held slot: the expert's weights, valid until released."""
+
+    key: ExpertKey
+    pool: SlotPool
+    slot: int
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.pool.tensors(self.slot)
+
+
+class TierManager:
+    def __init__(
+        self,
+        manifest: Manifest,
+        cfg: TiersConfig,
+        placement: Placement,
+        *,
+        device: torch.device,
+        streams: Streams | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        verify: str = "first",
+        progress: bool = True,
+    ):
+        self.manifest, self.cfg, self.placement = manifest, cfg, placement
+        self.device = device
+        self.dtype = torch.bfloat16
+        self.streams = streams or Streams(device)
+        self.clock = clock
+        self.timing = device.type == "cuda"
+        self.copy_stream = self.streams.new_stream()
+        self.stats_ = StatsCollector()
+
+        # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
+        self.pool_of: dict[int, SlotPool] = {}
+        self.lru: dict[int, LruSlots] = {}
+        self.transit: dict[int, torch.Tensor] = {}
+        self.hot_count: dict[int, int] = {}
+        self.pools: list[SlotPool] = []
+        for g in placement.groups:
+            layout = manifest.layers[g.layers[0]].layout
+            pool = SlotPool(layout, g.n_slots, device=device, dtype=self.dtype, event_factory=self.streams.event)
+            self.pools.append(pool)
+            self.lru[id(pool)] = LruSlots(range(g.hot, g.n_slots))
+            self.hot_count[id(pool)] = g.hot
+            self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
+            for L in g.layers:
+                self.pool_of[L] = pool
+
+        # -- Host: the warm pool plus one pinned ring buffer per staging slot for disk reads.
+        warm_bytes = sum(manifest.blob(k, cfg.cpu.precision).stride for k in placement.warm)
+        self.ring_bytes: dict[int, int] = {}
+        if placement.cold:
+            for g in placement.groups:
+                pool = self.pool_of[g.layers[0]]
+                self.ring_bytes[id(pool)] = max(manifest.layers[L].blobs[cfg.nvme.precision].stride for L in g.layers)
+        ring_total = sum(self.ring_bytes[id(p)] * (p.n_slots - self.hot_count[id(p)]) for p in self.pools if id(p) in self.ring_bytes)
+        self.host = HostPool(warm_bytes + ring_total, pin=device.type == "cuda")
+        self.warm_bytes = warm_bytes
+        self.ring: dict[tuple[int, int], torch.Tensor] = {}
+        self.ring_busy: dict[tuple[int, int], Any] = {}
+        for p in self.pools:
+            if id(p) in self.ring_bytes:
+                for s in range(self.hot_count[id(p)], p.n_slots):
+                    off = self.host.alloc(self.ring_bytes[id(p)])
+                    self.ring[(id(p), s)] = self.host.view(off, self.ring_bytes[id(p)])
+
+        needed = {cfg.gpu.precision} if placement.hot else set()
+        needed |= {cfg.cpu.precision} if placement.warm else set()
+        needed |= {cfg.nvme.precision} if placement.cold else set()
+        self.disk = DiskStore(manifest, sorted(needed), verify=verify)
+
+        homes = {k: Home.GPU for k in placement.hot} | {k: Home.CPU for k in placement.warm} | {k: Home.NVME for k in placement.cold}
+        self.table = ResidencyTable({k: Residency(home=h) for k, h in homes.items()})
+        self._load(progress)
+
+    # -- load time -----------------------------------------------------------------------
+    def _load(self, progress: bool) -> None:
+        bar = tqdm(total=len(self.placement.hot) + len(self.placement.warm), desc="loading experts", unit="expert", disable=not progress)
+        next_hot: dict[int, int] = {id(p): 0 for p in self.pools}
+        scratch = torch.empty(0, dtype=torch.uint8)
+        gp = self.cfg.gpu.precision
+        for key in self.placement.hot:
+            pool = self.pool_of[key.layer]
+            slot = next_hot[id(pool)]
+            next_hot[id(pool)] += 1
+            ref = self.manifest.ref(key, gp)
+            if scratch.numel() < ref.nbytes:
+                scratch = torch.empty(ref.nbytes, dtype=torch.uint8)
+            self.disk.read(key, gp, scratch)
+            blob = self.manifest.blob(key, gp)
+            src = scratch[: ref.nbytes] if quant.get_scheme(gp).lossless else scratch[: ref.nbytes].to(self.device)
+            pool.owner[slot] = key
+            blob.dequantize_into(src, pool.tensors(slot))
+            self.table.apply(key, Op.PLACE_HOT, slot)
+            bar.update(1)
+        cp = self.cfg.cpu.precision
+        for key in self.placement.warm:
+            ref = self.manifest.ref(key, cp)
+            off = self.host.alloc(ref.nbytes)
+            self.disk.read(key, cp, self.host.view(off, ref.nbytes))
+            self.table._table[key] = Residency(home=Home.CPU, host_offset=off)  # initial value, before any transition
+            bar.update(1)
+        bar.close()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # hot copies from pageable scratch must land before it is freed
+
+    # -- serving -------------------------------------------------------------------------
+    def try_acquire(self, key: ExpertKey) -> Handle | None:
+        """Hold ``key`` in a GPU slot, staging it if needed. None if every staging slot is held."""
+        r = self.table[key]
+        pool = self.pool_of[key.layer]
+        lru = self.lru[id(pool)]
+        if r.slot is not None:
+            self.stats_.lookup("gpu")
+            if not r.pinned:
+                lru.touch(r.slot)
+            pool.hold(r.slot)
+            return Handle(key, pool, r.slot)
+        slot = lru.victim(pool.readers)
+        if slot is None:
+            return None
+        old = pool.owner[slot]
+        if old is not None:
+            self.table.apply(old, Op.EVICT)
+        self._stage(key, r, pool, slot)
+        self.table.apply(key, Op.STAGE, slot)
+        lru.touch(slot)
+        pool.hold(slot)
+        return Handle(key, pool, slot)
+
+    def _stage(self, key: ExpertKey, r: Residency, pool: SlotPool, slot: int) -> None:
+        if r.home is Home.CPU:
+            precision, source = self.cfg.cpu.precision, "cpu"
+        else:
+            precision, source = self.cfg.nvme.precision, "nvme"
+        ref = self.manifest.ref(key, precision)
+        blob = self.manifest.blob(key, precision)
+        pool.begin_write(slot, key, self.copy_stream)
+        if source == "cpu":
+            src = self.host.view(r.host_offset, ref.nbytes)
+        else:
+            ring_key = (id(pool), slot)
+            busy = self.ring_busy.pop(ring_key, None)
+            if busy is not None:
+                busy.synchronize()  # the host must not overwrite pinned bytes an earlier H2D may still read
+            src = self.ring[ring_key][: ref.nbytes]
+            self.disk.read(key, precision, src)
+        t0 = self.clock()
+        start = None
+        with self.streams.use(self.copy_stream):
+            if self.timing:
+                start = self.streams.event(timing=True)
+                start.record(self.copy_stream)
+            if quant.get_scheme(precision).lossless:
+                assert_pinned(src, self.device)
+                blob.dequantize_into(src, pool.tensors(slot))  # the H2D copies land straight in the slot
+            else:
+                transit = self.transit[id(pool)][slot - self.hot_count[id(pool)], : ref.nbytes]
+                copy_h2d_async(transit, src)
+                blob.dequantize_into(transit, pool.tensors(slot))
+        ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
+        if source == "nvme":
+            self.ring_busy[(id(pool), slot)] = ready
+        self.stats_.lookup(source)
+        self.stats_.bytes_moved[source] += ref.nbytes
+        if self.timing:
+            self.stats_.timed("stage", start, ready)
+        else:
+            self.stats_.stage_seconds += self.clock() - t0
+
+    def wait(self, h: Handle) -> None:
+        """Make the compute stream wait for ``h``'s copy; call right before its first kernel."""
+        compute = self.streams.current()
+        e0 = None
+        if self.timing and h.pool.ready[h.slot] is not None:
+            e0 = self.streams.event(timing=True)
+            e0.record(compute)
+        if h.pool.wait_ready(h.slot, compute):
+            self.table.apply(h.key, Op.READY)
+            if e0 is not None:
+                e1 = self.streams.event(timing=True)
+                e1.record(compute)
+                self.stats_.timed("stall", e0, e1)
+
+    def release(self, h: Handle) -> None:
+        """The expert's kernels are queued: record the last-read event; the slot may be reused after it."""
+        h.pool.end_read(h.slot, self.streams.current())
+
+    def serve_layer(self, layer: int, experts: list[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield ``(expert, weights)`` in the given order, staging ahead into free slots.
+
+        While the caller computes one expert, the copies of the next misses (up to the number of
+        staging slots) are already queued on the copy stream.
+        """
+        pending = deque(experts)
+        ready: deque[tuple[int, Handle]] = deque()
+        while pending or ready:
+            while pending:
+                h = self.try_acquire(ExpertKey(layer, pending[0]))
+                if h is None:
+                    break
+                ready.append((pending.popleft(), h))
+            if not ready:
+                raise RuntimeError(f"layer {layer}: no GPU staging slot is free for expert {pending[0]}")
+            e, h = ready.popleft()
+            self.wait(h)
+            yield e, h.tensors
+            self.release(h)
+
+    # -- reporting -------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        self.stats_.resolve()
+        m, cfg = self.manifest, self.cfg
+        residency = {
+            "gpu": {"experts": len(self.placement.hot), "bytes": sum(m.layers[k.layer].layout.nbytes() for k in self.placement.hot)},
+            "cpu": {"experts": len(self.placement.warm), "bytes": self.warm_bytes},
+            "nvme": {"experts": len(self.placement.cold), "bytes": sum(m.blob(k, cfg.nvme.precision).stride for k in self.placement.cold)},
+        }
+        hot = sum(self.hot_count.values())
+        staging = sum(p.n_slots for p in self.pools) - hot
+        cached = sum(1 for p in self.pools for s in range(self.hot_count[id(p)], p.n_slots) if p.owner[s] is not None)
+        memory = {
+            "gpu_bytes": sum(p.nbytes for p in self.pools) + sum(t.numel() for t in self.transit.values()),
+            "gpu_budget": self.placement.gpu_budget,
+            "host_bytes": self.host.capacity,
+            "host_pool_bytes": self.warm_bytes,
+            "host_ring_bytes": self.host.capacity - self.warm_bytes,
+            "cpu_budget": self.placement.cpu_budget,
+        }
+        return TierStats(
+            residency=residency,
+            hits=dict(self.stats_.hits),
+            misses=dict(self.stats_.misses),
+            bytes_moved=dict(self.stats_.bytes_moved),
+            stage_seconds=self.stats_.stage_seconds,
+            stall_seconds=self.stats_.stall_seconds,
+            gpu_slots={"hot": hot, "staging": staging, "cached": cached},
+            memory=memory,
+            device=str(self.device),
+        )
+
+    def close(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.host.close()
+        self.disk.close()

@@ -1,0 +1,172 @@
+"""The transformers integration: ``tiers.load`` and the "tiers" experts implementation.
+
+Owns: building the model on meta from ``config.json``, loading the dense weights, binding each
+experts module to the tier manager, and the experts forward registered in transformers'
+``ALL_EXPERTS_FUNCTIONS`` (selected with ``set_experts_implementation``; no model class is
+patched). The forward follows transformers' eager experts loop operation for operation, with
+each expert's weights read from its GPU slot, so an all-bf16 configuration gives bit-identical
+logits to the untiered model running the eager implementation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from loader.layout import discover_layout, find_experts_modules
+from loader.packed import Manifest, file_crc32, read_manifest
+from loader.skeleton import build_skeleton
+from tiers.config import TiersConfig, load_config
+from tiers.disk_store import IntegrityError
+from tiers.engine import Streams, TierManager
+from tiers.policy import plan_placement
+from tiers.stats import TierStats
+
+IMPLEMENTATION = "tiers"
+_MANAGER_ATTR = "_tiers_manager"
+
+
+@dataclass(frozen=True)
+class LayerBinding:
+    """What an experts module needs to find its weights: its layer index and the manager."""
+
+    layer: int
+    manager: TierManager
+
+
+def tiers_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k]
+    top_k_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    binding: LayerBinding = self._tiers_binding
+    final_hidden_states = torch.zeros_like(hidden_states)  # [T, H]
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
+        expert_mask = expert_mask.permute(2, 1, 0)  # [E+1, k, T]
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()  # [n_hit, 1]
+    # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
+    hit = [e for e in expert_hit[:, 0].tolist() if e != self.num_experts]
+    up_name = "gate_up_proj" if self.has_gate else "up_proj"
+    for expert_idx, w in binding.manager.serve_layer(binding.layer, hit):
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])  # [n], [n]
+        current_state = hidden_states[token_idx]  # [n, H]
+        h = _project(current_state, w[up_name], w.get(up_name + "_bias"), self.is_transposed)  # [n, 2I] or [n, I]
+        h = self._apply_gate(h) if self.has_gate else self.act_fn(h)  # [n, I]
+        h = _project(h, w["down_proj"], w.get("down_proj_bias"), self.is_transposed)  # [n, H]
+        if getattr(self, "has_post_expert_norm", False):
+            h = self.post_expert_norm(h)
+        h = h * top_k_weights[token_idx, top_k_pos, None]  # [n, H]
+        final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
+    return final_hidden_states
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if transposed:
+        out = x @ w  # [n, in] @ [in, out]
+        return out + b if b is not None else out
+    return torch.nn.functional.linear(x, w, b)  # [n, in] x [out, in]^T
+
+
+def _register() -> None:
+    if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, tiers_experts_forward)
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected cuda or cpu, got {device}")
+    return device
+
+
+def _load_dense(model: torch.nn.Module, manifest: Manifest, expert_params: set[str], device: torch.device) -> None:
+    expected = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in expert_params}
+    loaded: dict[str, torch.Tensor] = {}
+    for fname, info in manifest.dense_files.items():
+        path = manifest.root / fname
+        if not path.is_file():
+            raise IntegrityError(f"dense weights file {str(path)!r} is missing")
+        if path.stat().st_size != info["nbytes"] or file_crc32(path) != info["crc32"]:
+            raise IntegrityError(f"dense weights file {str(path)!r} is corrupt or truncated (size or crc32 differs from the manifest); re-pack")
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key not in expected:
+                    raise ValueError(f"{str(path)!r}: tensor {key!r} is not a weight of this model")
+                t = f.get_tensor(key)
+                ref = expected[key]
+                if tuple(t.shape) != tuple(ref.shape):
+                    raise ValueError(f"{str(path)!r}: {key!r} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
+                loaded[key] = t.to(ref.dtype)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in expert_params]
+    if still_meta:
+        raise ValueError(f"packed checkpoint {str(manifest.root)!r} lacks dense weights {still_meta[:8]}")
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def load(
+    path: str | Path,
+    config: str | Path | dict | TiersConfig | None = None,
+    *,
+    device: str | torch.device | None = None,
+    verify: str = "first",
+    progress: bool = True,
+    streams: Streams | None = None,
+) -> PreTrainedModel:
+    """Load a packed checkpoint as a transformers model whose experts are served from the tiers.
+
+    ``config`` is a YAML path, a parsed dict, a ``TiersConfig`` or None (defaults: gpu 25%,
+    cpu 50% as int8, the rest int8 on disk). ``device`` defaults to cuda when available.
+    """
+    cfg = load_config(config)
+    manifest = read_manifest(path)
+    dev = _resolve_device(device)
+    placement = plan_placement(cfg, manifest)
+    hf_config = AutoConfig.from_pretrained(manifest.root)
+    model = build_skeleton(hf_config, dtype=torch.bfloat16)
+    modules = find_experts_modules(model)
+    if sorted(modules) != sorted(manifest.layers):
+        raise ValueError(f"{str(manifest.root)!r}: manifest MoE layers {sorted(manifest.layers)} differ from the model's {sorted(modules)}")
+    expert_params: set[str] = set()
+    for layer, (name, mod) in modules.items():
+        entry = manifest.layers[layer]
+        if discover_layout(mod) != entry.layout or name != entry.module:
+            raise ValueError(f"{str(manifest.root)!r}: layer {layer} ({name}) does not match the packed layout; re-pack")
+        expert_params |= {f"{name}.{t.name}" for t in entry.layout.tensors}
+    _load_dense(model, manifest, expert_params, dev)
+    manager = TierManager(manifest, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
+    for layer, (_, mod) in modules.items():
+        mod._tiers_binding = LayerBinding(layer, manager)
+    _register()
+    model.set_experts_implementation(IMPLEMENTATION)
+    if (manifest.root / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(manifest.root)
+    setattr(model, _MANAGER_ATTR, manager)
+    return model.eval()
+
+
+def manager_of(model: torch.nn.Module) -> TierManager:
+    m = getattr(model, _MANAGER_ATTR, None)
+    if m is None:
+        raise ValueError("this model was not loaded with tiers.load")
+    return m
+
+
+def stats(model: torch.nn.Module) -> TierStats:
+    """Hits and misses per tier, bytes moved per source tier, copy and stall time, residency."""
+    return manager_of(model).stats()

@@ -1,0 +1,166 @@
+"""Placement policy: which experts are hot, warm or cold, and which staging slot to reuse.
+
+Owns: turning the YAML sizes into counts against the packed checkpoint (with the errors that
+need it: a budget smaller than one expert, a precision that was not packed), the preference
+order (the manifest's routing prior when present, else round-robin over layers so every layer
+gets an equal share), and LRU choice among staging slots.
+
+Budget accounting on the GPU: ``budget >= hot slots + staging slots + staging transit buffers``,
+all in bytes; when every expert fits, no staging slot is reserved. A gpu ``fraction`` is of the
+bytes of all experts at compute precision (bf16); a cpu ``fraction`` is of the bytes of all
+experts at the cpu tier's precision (4 KiB aligned blobs).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from loader.layout import ExpertKey
+from loader.packed import Manifest
+from tiers.config import TiersConfig
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """Slots for layers sharing one expert signature."""
+
+    layers: tuple[int, ...]
+    slot_bytes: int
+    transit_bytes: int
+    hot: int
+    staging: int
+
+    @property
+    def n_slots(self) -> int:
+        return self.hot + self.staging
+
+
+@dataclass(frozen=True)
+class Placement:
+    hot: tuple[ExpertKey, ...]
+    warm: tuple[ExpertKey, ...]
+    cold: tuple[ExpertKey, ...]
+    groups: tuple[GroupPlan, ...]
+    gpu_budget: int
+    cpu_budget: int
+
+    @property
+    def gpu_bytes(self) -> int:
+        """Slot memory plus transit buffers: what the gpu budget bounds."""
+        return sum(g.n_slots * g.slot_bytes + g.staging * g.transit_bytes for g in self.groups)
+
+
+def preference_order(manifest: Manifest) -> list[ExpertKey]:
+    """Most valuable first: by prior frequency if the manifest has one, else round-robin over layers."""
+    keys = manifest.keys
+    prior = manifest.routing_prior
+    if prior:
+        freq = {(int(L), e): f for L, row in prior.get("frequency", {}).items() for e, f in enumerate(row)}
+        return sorted(keys, key=lambda k: (-freq.get((k.layer, k.expert), 0.0), k.expert, k.layer))
+    return sorted(keys, key=lambda k: (k.expert, k.layer))
+
+
+def _check_precision(manifest: Manifest, key: str, precision: str) -> None:
+    if precision not in manifest.precisions:
+        raise ValueError(
+            f"{key}: precision {precision!r} was not packed in {str(manifest.root)!r} (packed: {list(manifest.precisions)}); "
+            f"re-pack with `--config` naming this YAML, or choose a packed precision"
+        )
+
+
+def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
+    order = preference_order(manifest)
+    slot_bytes = {L: e.layout.nbytes() for L, e in manifest.layers.items()}
+    total_compute = sum(slot_bytes[k.layer] for k in order)
+
+    # -- gpu -----------------------------------------------------------------------------
+    size = cfg.gpu.size
+    gpu_key = "tiers.gpu.budget" if size.budget is not None else "tiers.gpu.fraction"
+    gpu_budget = size.budget if size.budget is not None else int(size.fraction * total_compute)
+    _check_precision(manifest, "tiers.gpu.precision", cfg.gpu.precision)
+    groups_by_sig: dict[tuple, list[int]] = {}
+    for L, entry in manifest.layers.items():
+        groups_by_sig.setdefault(entry.layout.signature, []).append(L)
+
+    def transit(L: int) -> int:
+        blobs = manifest.layers[L].blobs
+        lossy = [blobs[p].stride for p in (cfg.cpu.precision, cfg.nvme.precision) if p in blobs and p != "bf16"]
+        return max(lossy, default=0)
+
+    if gpu_budget >= total_compute:
+        hot = list(order)
+        staging = dict.fromkeys(groups_by_sig, 0)
+    else:
+        staging = dict.fromkeys(groups_by_sig, cfg.gpu.staging_slots)
+        reserved = sum(
+            cfg.gpu.staging_slots * (slot_bytes[Ls[0]] + transit(Ls[0])) for Ls in groups_by_sig.values()
+        )
+        smallest = min(slot_bytes.values())
+        if gpu_budget < smallest:
+            raise ValueError(
+                f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({smallest} bytes at bf16); "
+                f"the gpu tier needs at least {reserved} bytes for {cfg.gpu.staging_slots} staging slot(s)"
+            )
+        if gpu_budget < reserved:
+            raise ValueError(
+                f"{gpu_key}: {gpu_budget} bytes cannot hold the {cfg.gpu.staging_slots} staging slot(s) misses need "
+                f"({reserved} bytes with transit buffers); raise it to at least {reserved} or lower tiers.gpu.staging_slots"
+            )
+        left = gpu_budget - reserved
+        hot = []
+        for k in order:
+            if slot_bytes[k.layer] <= left:
+                hot.append(k)
+                left -= slot_bytes[k.layer]
+    hot_set = set(hot)
+    rest = [k for k in order if k not in hot_set]
+
+    # -- cpu -----------------------------------------------------------------------------
+    csize = cfg.cpu.size
+    cpu_key = "tiers.cpu.budget" if csize.budget is not None else "tiers.cpu.fraction"
+    stride = {L: e.blobs[cfg.cpu.precision].stride if cfg.cpu.precision in e.blobs else 0 for L, e in manifest.layers.items()}
+    if rest and (csize.budget or csize.fraction):
+        _check_precision(manifest, "tiers.cpu.precision", cfg.cpu.precision)
+    cpu_budget = csize.budget if csize.budget is not None else int(csize.fraction * sum(stride[k.layer] for k in order))
+    if csize.budget is not None and rest and cpu_budget < min(stride[k.layer] for k in rest):
+        raise ValueError(
+            f"{cpu_key}: {cpu_budget} bytes is smaller than one expert ({min(stride[k.layer] for k in rest)} bytes at {cfg.cpu.precision})"
+        )
+    warm, left = [], cpu_budget
+    for k in rest:
+        if stride[k.layer] <= left:
+            warm.append(k)
+            left -= stride[k.layer]
+    warm_set = set(warm)
+    cold = [k for k in rest if k not in warm_set]
+    if cold:
+        _check_precision(manifest, "tiers.nvme.precision", cfg.nvme.precision)
+
+    groups = tuple(
+        GroupPlan(
+            layers=tuple(Ls),
+            slot_bytes=slot_bytes[Ls[0]],
+            transit_bytes=transit(Ls[0]) if staging[sig] else 0,
+            hot=sum(1 for k in hot if k.layer in Ls),
+            staging=staging[sig],
+        )
+        for sig, Ls in groups_by_sig.items()
+    )
+    return Placement(tuple(sorted(hot)), tuple(sorted(warm)), tuple(sorted(cold)), groups, gpu_budget, cpu_budget)
+
+
+class LruSlots:
+    """Least-recently-used order over a group's staging slots."""
+
+    def __init__(self, slots: range):
+        self._order: OrderedDict[int, None] = OrderedDict.fromkeys(slots)
+
+    def touch(self, slot: int) -> None:
+        self._order.move_to_end(slot)
+
+    def victim(self, readers: list[int]) -> int | None:
+        """The least recently used slot nobody holds, or None if all are held."""
+        for slot in self._order:
+            if readers[slot] == 0:
+                return slot
+        return None

@@ -1,0 +1,90 @@
+"""GPU slot pool: static expert buffers allocated once, keyed by (dtype, shape, stride).
+
+Owns: the slabs (one tensor ``[n_slots, *shape]`` per expert tensor name) and, per slot, its
+owner, its reader count and two events. Slot ``i`` is the i-th row of every slab, so its
+addresses never change and CUDA graphs that read it stay valid.
+
+Slot rule: a slot is written only when no reader holds it on the host side (``readers == 0``)
+and after the copy stream has waited on ``last_read[i]``, the event recorded on the compute
+stream when its last reader's kernels had been queued. A reader waits on ``ready[i]`` (recorded
+on the copy stream after the write) before its first kernel reads the slot.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from loader.layout import ExpertKey, ExpertLayout
+
+
+class SlotPool:
+    def __init__(
+        self,
+        layout: ExpertLayout,
+        n_slots: int,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        event_factory: Callable[[], Any],
+    ):
+        self.layout = layout
+        self.n_slots = n_slots
+        self.dtype = dtype
+        self._event = event_factory
+        self.slabs = {
+            t.name: torch.empty((n_slots, *t.shape), dtype=dtype, device=device) for t in layout.tensors
+        }  # name -> [n_slots, *shape]
+        self.owner: list[ExpertKey | None] = [None] * n_slots
+        self.readers = [0] * n_slots
+        self.last_read: list[Any | None] = [None] * n_slots
+        self.ready: list[Any | None] = [None] * n_slots
+
+    @property
+    def key(self) -> tuple:
+        """The (dtype, shape, stride) signature slots of this pool are interchangeable under."""
+        return tuple((n, self.dtype, tuple(s.shape[1:]), tuple(s.stride()[1:])) for n, s in self.slabs.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.slabs.values())
+
+    def tensors(self, slot: int) -> dict[str, torch.Tensor]:
+        return {name: slab[slot] for name, slab in self.slabs.items()}
+
+    def begin_write(self, slot: int, key: ExpertKey, copy_stream: Any) -> None:
+        assert self.readers[slot] == 0, f"slot {slot} (owner {self.owner[slot]}) is rewritten while {self.readers[slot]} readers hold it"
+        if self.last_read[slot] is not None:
+            # The compute stream may still be running kernels that read the old expert:
+            # order the copy after them.
+            copy_stream.wait_event(self.last_read[slot])
+        self.owner[slot] = key
+
+    def end_write(self, slot: int, copy_stream: Any, event: Any | None = None) -> Any:
+        ev = event if event is not None else self._event()
+        ev.record(copy_stream)
+        self.ready[slot] = ev
+        return ev
+
+    def hold(self, slot: int) -> None:
+        """A reader takes the slot: from now until ``end_read`` it cannot be rewritten."""
+        self.readers[slot] += 1
+
+    def wait_ready(self, slot: int, compute_stream: Any) -> bool:
+        """Order the compute stream after a pending write of the slot. True if it had to wait."""
+        assert self.readers[slot] > 0, f"slot {slot} is waited on without being held"
+        ev = self.ready[slot]
+        if ev is None:
+            return False
+        # Kernels about to be queued read this slot: they must not start before its copy lands.
+        compute_stream.wait_event(ev)
+        self.ready[slot] = None
+        return True
+
+    def end_read(self, slot: int, compute_stream: Any) -> None:
+        assert self.readers[slot] > 0, f"slot {slot} released more often than held"
+        self.readers[slot] -= 1
+        ev = self._event()
+        ev.record(compute_stream)
+        self.last_read[slot] = ev

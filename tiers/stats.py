@@ -1,0 +1,116 @@
+"""Tier statistics: what was served from where, what moved, and how fast.
+
+Owns: the counters the engine updates and their report (``as_dict()`` and a printable table).
+Definitions: a lookup is a *gpu hit* when the expert already sits in a GPU slot (hot or cached
+in a staging slot); otherwise it is a gpu miss, served by the cpu tier (a *cpu hit*) or by the
+nvme tier (a cpu miss and an *nvme hit*). ``bytes_moved`` counts transfer-form bytes per source
+tier. Copy and stall times are measured with timing events on CUDA (resolved when read) and
+with the injected clock on the CPU, where copies are synchronous.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TIERS = ("gpu", "cpu", "nvme")
+
+
+@dataclass
+class TierStats:
+    residency: dict[str, dict[str, int]]
+    hits: dict[str, int]
+    misses: dict[str, int]
+    bytes_moved: dict[str, int]
+    stage_seconds: float
+    stall_seconds: float
+    gpu_slots: dict[str, int]
+    memory: dict[str, int]
+    device: str
+
+    @property
+    def h2d_gbps(self) -> float:
+        moved = sum(self.bytes_moved.values())
+        return moved / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "residency": self.residency,
+            "hits": dict(self.hits),
+            "misses": dict(self.misses),
+            "bytes_moved": dict(self.bytes_moved),
+            "stage_seconds": self.stage_seconds,
+            "stall_seconds": self.stall_seconds,
+            "h2d_gbps": self.h2d_gbps,
+            "gpu_slots": dict(self.gpu_slots),
+            "memory": dict(self.memory),
+        }
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [
+            f"tiers on {self.device}",
+            f"{'tier':<6} {'experts':>8} {'MiB':>10} {'hits':>9} {'misses':>9} {'MiB moved':>10}",
+        ]
+        for t in TIERS:
+            r = self.residency[t]
+            moved = self.bytes_moved.get(t)
+            lines.append(
+                f"{t:<6} {r['experts']:>8} {r['bytes'] / mib:>10.1f} {self.hits[t]:>9} {self.misses[t]:>9} "
+                f"{'-' if moved is None else f'{moved / mib:.1f}':>10}"
+            )
+        lookups = sum(self.hits.values())
+        rate = self.hits["gpu"] / lookups if lookups else 0.0
+        lines.append(
+            f"gpu hit rate {rate:.1%} of {lookups} lookups; staged {sum(self.bytes_moved.values()) / mib:.1f} MiB "
+            f"in {self.stage_seconds * 1e3:.1f} ms ({self.h2d_gbps:.2f} GB/s); stalled {self.stall_seconds * 1e3:.1f} ms"
+        )
+        lines.append(
+            f"gpu slots: {self.gpu_slots['hot']} hot + {self.gpu_slots['staging']} staging "
+            f"({self.gpu_slots['cached']} holding an expert); gpu memory {self.memory['gpu_bytes'] / mib:.1f} MiB "
+            f"of {self.memory['gpu_budget'] / mib:.1f} MiB budget; pinned host {self.memory['host_bytes'] / mib:.1f} MiB"
+        )
+        return "\n".join(lines)
+
+
+@dataclass
+class StatsCollector:
+    """Mutable counters; the engine is the only writer."""
+
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    bytes_moved: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
+    stage_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    def lookup(self, served_by: str) -> None:
+        self.hits[served_by] += 1
+        if served_by in ("cpu", "nvme"):
+            self.misses["gpu"] += 1
+        if served_by == "nvme":
+            self.misses["cpu"] += 1
+
+    def timed(self, kind: str, start: Any, end: Any) -> None:
+        """Remember a pair of timing events (CUDA); resolved lazily so nothing syncs now."""
+        self._pending.append((kind, start, end))
+        if len(self._pending) > 8192:
+            self.resolve()
+
+    def resolve(self) -> None:
+        for kind, start, end in self._pending:
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "stage":
+                self.stage_seconds += seconds
+            else:
+                self.stall_seconds += seconds
+        self._pending.clear()
+
+    def reset(self) -> None:
+        self.resolve()
+        self.hits = dict.fromkeys(TIERS, 0)
+        self.misses = dict.fromkeys(TIERS, 0)
+        self.bytes_moved = {"cpu": 0, "nvme": 0}
+        self.stage_seconds = 0.0
+        self.stall_seconds = 0.0
