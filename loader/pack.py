@@ -58,15 +58,18 @@ class PackSummary:
     skipped_keys: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
-        gib = 1 << 30
-        per = ", ".join(f"{p}: {n / gib:.3f} GiB" for p, n in self.bytes_per_precision.items())
+        per = ", ".join(f"{p}: {_human(n)}" for p, n in self.bytes_per_precision.items())
         s = (
             f"packed {self.experts} experts in {self.layers} MoE layers into {self.dst} in {self.seconds:.1f} s\n"
-            f"  experts by precision: {per}\n  dense: {self.dense_bytes / gib:.3f} GiB"
+            f"  experts by precision: {per}\n  dense: {_human(self.dense_bytes)}"
         )
         if self.skipped_keys:
             s += f"\n  skipped {len(self.skipped_keys)} checkpoint keys the model does not use: {self.skipped_keys[:5]}"
         return s
+
+
+def _human(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass

@@ -285,6 +285,7 @@ class TierManager:
             "gpu_bytes": sum(p.nbytes for p in self.pools) + sum(t.numel() for t in self.transit.values()),
             "gpu_budget": self.placement.gpu_budget,
             "host_bytes": self.host.capacity,
+            "host_pinned": int(self.host.pinned),
             "host_pool_bytes": self.warm_bytes,
             "host_ring_bytes": self.host.capacity - self.warm_bytes,
             "cpu_budget": self.placement.cpu_budget,

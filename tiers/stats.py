@@ -68,7 +68,8 @@ class TierStats:
         lines.append(
             f"gpu slots: {self.gpu_slots['hot']} hot + {self.gpu_slots['staging']} staging "
             f"({self.gpu_slots['cached']} holding an expert); gpu memory {self.memory['gpu_bytes'] / mib:.1f} MiB "
-            f"of {self.memory['gpu_budget'] / mib:.1f} MiB budget; pinned host {self.memory['host_bytes'] / mib:.1f} MiB"
+            f"of {self.memory['gpu_budget'] / mib:.1f} MiB budget; host pool {self.memory['host_bytes'] / mib:.1f} MiB "
+            f"({'pinned' if self.memory['host_pinned'] else 'not pinned: no CUDA'})"
         )
         return "\n".join(lines)
 

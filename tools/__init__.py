@@ -1,0 +1,1 @@
+"""Thin command-line front ends over the library: pack, inspect, demo."""

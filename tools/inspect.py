@@ -1,0 +1,69 @@
+"""tiers-inspect: summarize a packed checkpoint's manifest, or print a saved stats JSON.
+
+    python tools/inspect.py PACKED_DIR [--json]
+    python tools/inspect.py stats.json
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages, not this folder's files (this one shadows stdlib inspect)
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from loader.packed import read_manifest  # noqa: E402
+from tiers.stats import TierStats  # noqa: E402
+
+
+def describe(path: str) -> dict:
+    m = read_manifest(path)
+    out = {"path": str(m.root), "model_type": m.model_type, "precisions": list(m.precisions), "layers": []}
+    for L, e in m.layers.items():
+        row = {"layer": L, "module": e.module, "experts": e.layout.num_experts,
+               "tensors": {t.name: list(t.shape) for t in e.layout.tensors}, "blob_bytes": {}, "min_sqnr_db": {}}
+        for p in m.precisions:
+            row["blob_bytes"][p] = e.blobs[p].nbytes
+            sq = [x[p].sqnr_db for x in e.experts if x[p].sqnr_db is not None]
+            row["min_sqnr_db"][p] = min(sq) if sq else None
+        out["layers"].append(row)
+    out["experts"] = sum(r["experts"] for r in out["layers"])
+    out["dense_bytes"] = sum(f["nbytes"] for f in m.dense_files.values())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tiers-inspect", description=__doc__.splitlines()[0])
+    ap.add_argument("target", help="a packed directory, or a JSON file written from tiers.stats(model).as_dict()")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = ap.parse_args(argv)
+    target = Path(args.target)
+    try:
+        if target.is_file():
+            d = json.loads(target.read_text())
+            print(json.dumps(d, indent=1) if args.json else TierStats(**{k: d[k] for k in (
+                "residency", "hits", "misses", "bytes_moved", "stage_seconds", "stall_seconds", "gpu_slots", "memory", "device")}))
+            return 0
+        info = describe(args.target)
+    except (ValueError, KeyError, json.JSONDecodeError) as e:
+        print(f"tiers-inspect: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"{info['path']}: {info['model_type']}, {info['experts']} experts in {len(info['layers'])} MoE layers, "
+          f"precisions {info['precisions']}, dense {info['dense_bytes'] / 2**20:.1f} MiB")
+    print(f"{'layer':>5}  {'experts':>7}  " + "  ".join(f"{p + ' KiB':>10} {p + ' dB':>8}" for p in info["precisions"]))
+    for r in info["layers"]:
+        cells = []
+        for p in info["precisions"]:
+            sq = r["min_sqnr_db"][p]
+            cells.append(f"{r['blob_bytes'][p] / 1024:>10.1f} {'exact' if sq is None else f'{sq:.1f}':>8}")
+        print(f"{r['layer']:>5}  {r['experts']:>7}  " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
