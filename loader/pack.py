@@ -9,6 +9,7 @@ only when complete, so an interrupted pack never leaves a directory that loads.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -18,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
@@ -175,12 +175,17 @@ def _read_expert(src: SourceCheckpoint, layout: ExpertLayout, s: _ExpertSource, 
     return tensors
 
 
-def _safetensors_header(names_sizes: list[tuple[str, int]], metadata: dict[str, str]) -> bytes:
-    """A safetensors header for uint8 tensors laid end to end, padded so data starts on 4 KiB."""
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+             "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
+def _safetensors_header(tensors: list[tuple[str, str, list[int]]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header for (name, dtype, shape) laid end to end, padded so data starts on 4 KiB."""
     hdr: dict = {"__metadata__": metadata}
     off = 0
-    for name, size in names_sizes:
-        hdr[name] = {"dtype": "U8", "shape": [size], "data_offsets": [off, off + size]}
+    for name, dtype, shape in tensors:
+        size = _ITEMSIZE[dtype] * math.prod(shape)
+        hdr[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + size]}
         off += size
     raw = json.dumps(hdr, separators=(",", ":")).encode()
     total = align(8 + len(raw), BLOB_ALIGN)
@@ -239,35 +244,36 @@ def pack(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        source.close()
     n_experts = sum(layouts[L].num_experts for L in layouts)
     dense_bytes = sum(f["nbytes"] for f in dense_files.values())
     return PackSummary(dst, n_experts, len(layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0, skipped)
 
 
 def _write_dense(source: SourceCheckpoint, dense: dict[str, str], out: Path) -> dict[str, dict]:
-    """Dense weights under the model's names, in shards of about 1 GiB, one tensor in memory at a time per shard."""
-    files: dict[str, dict] = {}
-    shard: dict[str, torch.Tensor] = {}
+    """Dense weights under the model's names, in shards of about 1 GiB, streamed one tensor at a time."""
+    items = sorted(dense.items(), key=lambda kv: (source.key_to_file[kv[1]], kv[0]))
+    shards: list[list[tuple[str, str, str, list[int]]]] = [[]]
     size = 0
-
-    def flush() -> None:
-        nonlocal shard, size
-        if not shard:
-            return
-        name = f"dense-{len(files) + 1:05d}.safetensors"
-        save_file(shard, out / name, metadata={"format": "pt"})
-        files[name] = {"crc32": file_crc32(out / name), "nbytes": (out / name).stat().st_size}
-        shard, size = {}, 0
-
-    for model_key, src_key in sorted(dense.items(), key=lambda kv: (source.key_to_file[kv[1]], kv[0])):
-        t = source.get(src_key).contiguous()
-        shard[model_key] = t
-        size += t.numel() * t.element_size()
-        if size >= DENSE_SHARD_BYTES:
-            flush()
-    flush()
+    for model_key, src_key in items:
+        dtype, shape = source.meta(src_key)
+        nbytes = _ITEMSIZE[dtype] * math.prod(shape)
+        if shards[-1] and size + nbytes > DENSE_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((model_key, src_key, dtype, shape))
+        size += nbytes
+    files: dict[str, dict] = {}
+    for i, shard in enumerate(s for s in shards if s):
+        name = f"dense-{i + 1:05d}.safetensors"
+        header = _safetensors_header([(k, d, sh) for k, _, d, sh in shard], {"format": "pt"})
+        crc = zlib.crc32(header)
+        with open(out / name, "wb") as f:
+            f.write(header)
+            for _, src_key, _, _ in shard:
+                raw = memoryview(source.get(src_key).contiguous().view(-1).view(torch.uint8).numpy())
+                f.write(raw)
+                crc = zlib.crc32(raw, crc)
+        files[name] = {"crc32": crc, "nbytes": (out / name).stat().st_size}
     return files
 
 
@@ -284,7 +290,7 @@ def _write_experts(source, experts, layouts, sources, precisions, out: Path, pro
             rel[p] = f"experts/{p}/layer-{layer:04d}.safetensors"
             (out / rel[p]).parent.mkdir(parents=True, exist_ok=True)
             header = _safetensors_header(
-                [(f"expert.{e}", blobs[p].stride) for e in range(layout.num_experts)],
+                [(f"expert.{e}", "U8", [blobs[p].stride]) for e in range(layout.num_experts)],
                 {"format": "tiers-blob", "precision": p, "layer": str(layer)},
             )
             handles[p] = open(out / rel[p], "wb")
@@ -297,7 +303,7 @@ def _write_experts(source, experts, layouts, sources, precisions, out: Path, pro
                 entry: dict = {"expert": e}
                 for p in precisions:
                     blob, sqnr = blobs[p].encode(tensors)
-                    raw = blob.numpy().tobytes()
+                    raw = memoryview(blob.numpy())
                     handles[p].write(raw)
                     entry[p] = {
                         "file": rel[p],

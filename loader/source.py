@@ -38,25 +38,27 @@ class SourceCheckpoint:
                 with safe_open(self.path / fname, framework="pt") as f:
                     for key in f.keys():
                         self.key_to_file[key] = fname
-        self._handles: dict[str, object] = {}
 
     def keys(self) -> list[str]:
         return list(self.key_to_file)
 
-    def _open(self, key: str):
-        fname = self.key_to_file[key]
-        h = self._handles.get(fname)
-        if h is None:
-            h = safe_open(self.path / fname, framework="pt")
-            self._handles[fname] = h
-        return h
-
+    # Each read opens the shard and closes it again: a handle kept open keeps every page it
+    # touched mapped into this process, so a long pack would count the whole checkpoint in its
+    # resident set. Re-opening costs one header parse.
     def get(self, key: str) -> torch.Tensor:
-        return self._open(key).get_tensor(key)
+        with safe_open(self.path / self.key_to_file[key], framework="pt") as f:
+            return f.get_tensor(key)
 
     def get_expert(self, key: str, expert: int) -> torch.Tensor:
         """One expert's slice ``[expert]`` of a fused [E, ...] tensor, read without the rest."""
-        return self._open(key).get_slice(key)[expert]
+        with safe_open(self.path / self.key_to_file[key], framework="pt") as f:
+            return f.get_slice(key)[expert]
+
+    def meta(self, key: str) -> tuple[str, list[int]]:
+        """(safetensors dtype name, shape) without reading the data."""
+        with safe_open(self.path / self.key_to_file[key], framework="pt") as f:
+            sl = f.get_slice(key)
+            return sl.get_dtype(), list(sl.get_shape())
 
     def carried_files(self) -> list[Path]:
         """Everything that is not weights: config, generation config, tokenizer files."""
@@ -65,6 +67,3 @@ class SourceCheckpoint:
             p for p in self.path.iterdir()
             if p.is_file() and not p.name.endswith(skip_suffixes) and p.name != INDEX_NAME
         )
-
-    def close(self) -> None:
-        self._handles.clear()

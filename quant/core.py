@@ -77,11 +77,16 @@ def scheme_names() -> tuple[str, ...]:
     return tuple(sorted(_REGISTRY))
 
 
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB, computed in float64; inf when exact."""
-    ref = reference.detach().to(torch.float64)
-    noise = (ref - approx.detach().to(torch.float64)).pow(2).sum().item()
-    signal = ref.pow(2).sum().item()
+def sqnr_db(reference: torch.Tensor, approx: torch.Tensor, *, chunk: int = 1 << 20) -> float:
+    """Signal-to-quantization-noise ratio in dB, accumulated in float64 over chunks of ``chunk``
+    elements (so a large weight never needs a full float64 copy); inf when exact."""
+    ref = reference.detach().reshape(-1)
+    app = approx.detach().reshape(-1)
+    signal = noise = 0.0
+    for i in range(0, ref.numel(), chunk):
+        r = ref[i : i + chunk].to(torch.float64)
+        signal += r.pow(2).sum().item()
+        noise += r.sub_(app[i : i + chunk].to(torch.float64)).pow_(2).sum().item()
     if noise == 0.0:
         return math.inf
     if signal == 0.0:

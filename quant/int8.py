@@ -22,10 +22,10 @@ class Int8PerRow:
         )
 
     def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
-        w = weight.detach().to(torch.float32)  # [*rows, C]
+        w = weight.detach().to(torch.float32, copy=True)  # [*rows, C], the one full-size temporary
         absmax = w.abs().amax(dim=-1)  # [*rows]
         scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # [*rows]
-        qdata = torch.round(w / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)  # [*rows, C]
+        qdata = w.div_(scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)  # [*rows, C]
         return QuantizedTensor(self.name, tuple(weight.shape), {"qdata": qdata.contiguous(), "scale": scale.contiguous()})
 
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor:
