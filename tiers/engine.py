@@ -256,18 +256,26 @@ class TierManager:
         """
         pending = deque(experts)
         ready: deque[tuple[int, Handle]] = deque()
-        while pending or ready:
-            while pending:
-                h = self.try_acquire(ExpertKey(layer, pending[0]))
-                if h is None:
-                    break
-                ready.append((pending.popleft(), h))
-            if not ready:
-                raise RuntimeError(f"layer {layer}: no GPU staging slot is free for expert {pending[0]}")
-            e, h = ready.popleft()
-            self.wait(h)
-            yield e, h.tensors
-            self.release(h)
+        current: Handle | None = None
+        try:
+            while pending or ready:
+                while pending:
+                    h = self.try_acquire(ExpertKey(layer, pending[0]))
+                    if h is None:
+                        break
+                    ready.append((pending.popleft(), h))
+                if not ready:
+                    raise RuntimeError(f"layer {layer}: no GPU staging slot is free for expert {pending[0]}")
+                e, current = ready.popleft()
+                self.wait(current)
+                yield e, current.tensors
+                self.release(current)
+                current = None
+        finally:
+            # The caller stopped early (an exception, or a break): give back every slot still held,
+            # or those slots could never be reused.
+            for h in ([current] if current is not None else []) + [h for _, h in ready]:
+                self.release(h)
 
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> TierStats:
