@@ -181,32 +181,35 @@ class TierManager:
         slot = lru.victim(pool.readers)
         if slot is None:
             return None
+        # Everything that can fail (a disk read, a checksum) happens before any state changes, so
+        # an IntegrityError leaves the slot, its owner and the residency table as they were.
+        precision, source, src = self._fetch(key, r, pool, slot)
         old = pool.owner[slot]
         if old is not None:
             self.table.apply(old, Op.EVICT)
-        self._stage(key, r, pool, slot)
+        self._stage(key, pool, slot, precision, source, src)
         self.table.apply(key, Op.STAGE, slot)
         lru.touch(slot)
         pool.hold(slot)
         return Handle(key, pool, slot)
 
-    def _stage(self, key: ExpertKey, r: Residency, pool: SlotPool, slot: int) -> None:
+    def _fetch(self, key: ExpertKey, r: Residency, pool: SlotPool, slot: int) -> tuple[str, str, torch.Tensor]:
+        """The pinned host bytes of ``key``'s blob: a view into the pool, or a disk read into the slot's ring buffer."""
         if r.home is Home.CPU:
-            precision, source = self.cfg.cpu.precision, "cpu"
-        else:
-            precision, source = self.cfg.nvme.precision, "nvme"
-        ref = self.manifest.ref(key, precision)
+            precision = self.cfg.cpu.precision
+            return precision, "cpu", self.host.view(r.host_offset, self.manifest.ref(key, precision).nbytes)
+        precision = self.cfg.nvme.precision
+        ring_key = (id(pool), slot)
+        busy = self.ring_busy.pop(ring_key, None)
+        if busy is not None:
+            busy.synchronize()  # the host must not overwrite pinned bytes an earlier H2D may still read
+        src = self.ring[ring_key][: self.manifest.ref(key, precision).nbytes]
+        self.disk.read(key, precision, src)
+        return precision, "nvme", src
+
+    def _stage(self, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor) -> None:
         blob = self.manifest.blob(key, precision)
         pool.begin_write(slot, key, self.copy_stream)
-        if source == "cpu":
-            src = self.host.view(r.host_offset, ref.nbytes)
-        else:
-            ring_key = (id(pool), slot)
-            busy = self.ring_busy.pop(ring_key, None)
-            if busy is not None:
-                busy.synchronize()  # the host must not overwrite pinned bytes an earlier H2D may still read
-            src = self.ring[ring_key][: ref.nbytes]
-            self.disk.read(key, precision, src)
         t0 = self.clock()
         start = None
         with self.streams.use(self.copy_stream):
@@ -217,14 +220,14 @@ class TierManager:
                 assert_pinned(src, self.device)
                 blob.dequantize_into(src, pool.tensors(slot))  # the H2D copies land straight in the slot
             else:
-                transit = self.transit[id(pool)][slot - self.hot_count[id(pool)], : ref.nbytes]
+                transit = self.transit[id(pool)][slot - self.hot_count[id(pool)], : src.numel()]
                 copy_h2d_async(transit, src)
                 blob.dequantize_into(transit, pool.tensors(slot))
         ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
         if source == "nvme":
             self.ring_busy[(id(pool), slot)] = ready
         self.stats_.lookup(source)
-        self.stats_.bytes_moved[source] += ref.nbytes
+        self.stats_.bytes_moved[source] += src.numel()
         if self.timing:
             self.stats_.timed("stage", start, ready)
         else:

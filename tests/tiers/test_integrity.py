@@ -1,0 +1,318 @@
+"""Integrity: a corrupt, truncated or missing packed file raises tiers.IntegrityError naming the
+file (and the expert), at load for what load reads and on first read for cold experts; never
+wrong weights served silently."""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiers
+from loader.layout import ExpertKey
+from loader.packed import read_manifest
+from tiers.config import load_config
+from tiers.disk_store import DiskStore
+from tiers.integration import manager_of
+from tiers.policy import plan_placement
+
+MODEL = "qwen3_moe"
+
+
+def cfg_for(precision: str) -> dict:
+    return {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.25, "precision": precision},
+                      "nvme": {"precision": precision}}}
+
+
+BF16 = cfg_for("bf16")
+
+
+@pytest.fixture
+def packed_copy(packed_factory, tmp_path) -> Path:
+    """A private, writable copy of the session's packed checkpoint."""
+    dst = tmp_path / "packed"
+    shutil.copytree(packed_factory(MODEL, ("bf16", "int8")), dst)
+    return dst
+
+
+def placement(path: Path, cfg: dict):
+    return plan_placement(load_config(cfg), read_manifest(path))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def corrupt_expert(root: Path, key: ExpertKey, precision: str, where: float = 0.5) -> Path:
+    """Flip one byte inside ``key``'s blob (not in its padding). Returns the file."""
+    ref = read_manifest(root).ref(key, precision)
+    flip_byte(root / ref.file, ref.offset + min(int(ref.nbytes * where), ref.nbytes - 1))
+    return root / ref.file
+
+
+def decoded(root: Path, key: ExpertKey, precision: str) -> dict[str, torch.Tensor]:
+    """What a correct read of ``key`` must give: the blob in the file, decoded."""
+    m = read_manifest(root)
+    ref = m.ref(key, precision)
+    with open(root / ref.file, "rb") as f:
+        f.seek(ref.offset)
+        blob = torch.frombuffer(bytearray(f.read(ref.nbytes)), dtype=torch.uint8)
+    out = {t.name: torch.empty(t.shape, dtype=torch.bfloat16) for t in m.layers[key.layer].layout.tensors}
+    m.blob(key, precision).dequantize_into(blob, out)
+    return out
+
+
+def assert_names(err: pytest.ExceptionInfo, path: Path, key: ExpertKey | None = None) -> None:
+    msg = str(err.value)
+    assert str(path) in msg, msg
+    if key is not None:
+        assert f"layer {key.layer} expert {key.expert}" in msg, msg
+
+
+# -- control -----------------------------------------------------------------------------------
+def test_clean_copy_loads_and_serves_exact_weights(packed_copy):
+    pl = placement(packed_copy, BF16)
+    assert pl.hot and pl.warm and pl.cold, "the config must put experts in every tier"
+    model = tiers.load(packed_copy, BF16, device="cpu", progress=False)
+    mgr = manager_of(model)
+    for key in (pl.hot[0], pl.warm[0], pl.cold[0]):
+        h = mgr.try_acquire(key)
+        mgr.wait(h)
+        want = decoded(packed_copy, key, "bf16")
+        for name, t in h.tensors.items():
+            assert torch.equal(t, want[name]), (key, name)
+        mgr.release(h)
+
+
+# -- expert blobs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+@pytest.mark.parametrize("tier", ["hot", "warm"])
+def test_corrupt_expert_read_at_load_raises(packed_copy, tier, precision):
+    cfg = cfg_for(precision)
+    pl = placement(packed_copy, cfg)
+    key = getattr(pl, tier)[-1]
+    stored = "bf16" if tier == "hot" else precision  # hot experts load from the gpu precision (bf16)
+    path = corrupt_expert(packed_copy, key, stored)
+    with pytest.raises(tiers.IntegrityError) as ei:
+        tiers.load(packed_copy, cfg, device="cpu", progress=False)
+    assert_names(ei, path, key)
+    assert "checksum" in str(ei.value) or "crc32" in str(ei.value)
+
+
+@pytest.mark.parametrize("where", [0.0, 0.5, 0.999999])
+def test_corrupt_cold_expert_raises_on_first_read(packed_copy, where):
+    pl = placement(packed_copy, BF16)
+    key = pl.cold[len(pl.cold) // 2]
+    path = corrupt_expert(packed_copy, key, "bf16", where)
+    model = tiers.load(packed_copy, BF16, device="cpu", progress=False)  # cold experts are not read at load
+    mgr = manager_of(model)
+    with pytest.raises(tiers.IntegrityError) as ei:
+        mgr.try_acquire(key)
+    assert_names(ei, path, key)
+
+
+def test_corrupt_cold_expert_is_never_served_on_retry(packed_copy):
+    pl = placement(packed_copy, BF16)
+    key = pl.cold[0]
+    corrupt_expert(packed_copy, key, "bf16")
+    mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False))
+    with pytest.raises(tiers.IntegrityError):
+        mgr.try_acquire(key)
+    with pytest.raises(RuntimeError):  # a second try must fail too, never hand out the half-written slot
+        mgr.try_acquire(key)
+    assert mgr.table[key].slot is None
+
+
+_STAGE_BUG = (
+    "tiers/engine.py TierManager._stage: pool.begin_write() makes the expert the staging slot's owner "
+    "before disk.read() can raise IntegrityError, and nothing undoes it; the slot stays at the LRU front, so "
+    "the next miss picks it and try_acquire calls table.apply(owner, Op.EVICT) on an expert whose state is "
+    "ABSENT, raising IllegalTransition instead of staging"
+)
+
+
+
+def test_retry_of_corrupt_cold_expert_raises_integrity_error_again(packed_copy):
+    pl = placement(packed_copy, BF16)
+    key = pl.cold[0]
+    path = corrupt_expert(packed_copy, key, "bf16")
+    mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False))
+    for _ in range(2):
+        with pytest.raises(tiers.IntegrityError) as ei:
+            mgr.try_acquire(key)
+        assert_names(ei, path, key)
+
+
+
+def test_other_experts_still_served_after_an_integrity_error(packed_copy):
+    pl = placement(packed_copy, BF16)
+    bad, good = pl.cold[0], pl.cold[1]
+    corrupt_expert(packed_copy, bad, "bf16")
+    mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False))
+    with pytest.raises(tiers.IntegrityError):
+        mgr.try_acquire(bad)
+    h = mgr.try_acquire(good)
+    mgr.wait(h)
+    want = decoded(packed_copy, good, "bf16")
+    for name, t in h.tensors.items():
+        assert torch.equal(t, want[name]), name
+    mgr.release(h)
+
+
+def test_forward_that_routes_to_a_corrupt_cold_expert_raises(packed_copy):
+    pl = placement(packed_copy, BF16)
+    root = packed_copy
+    files = {corrupt_expert(root, k, "bf16") for k in pl.cold}  # every cold expert: any routing hits one
+    model = tiers.load(root, BF16, device="cpu", progress=False)
+    prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(tiers.IntegrityError) as ei:
+        with torch.no_grad():
+            model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    msg = str(ei.value)
+    m = re.search(r"layer (\d+) expert (\d+)", msg)
+    assert m, msg
+    assert ExpertKey(int(m[1]), int(m[2])) in set(pl.cold), msg
+    assert any(str(f) in msg for f in files), msg
+
+
+def test_corruption_of_any_field_is_caught(packed_copy):
+    """Flip the first and last byte of every field of one blob: each is caught on read."""
+    m = read_manifest(packed_copy)
+    key = ExpertKey(1, 3)
+    for precision in m.precisions:
+        ref = m.ref(key, precision)
+        spots = sorted({ref.offset + f.offset for f in m.blob(key, precision).fields}
+                       | {ref.offset + f.offset + f.spec.nbytes - 1 for f in m.blob(key, precision).fields})
+        assert spots[-1] == ref.offset + ref.nbytes - 1
+        for off in spots:
+            flip_byte(packed_copy / ref.file, off)
+            store = DiskStore(read_manifest(packed_copy), [precision])
+            with pytest.raises(tiers.IntegrityError) as ei:
+                store.read(key, precision, torch.empty(ref.nbytes, dtype=torch.uint8))
+            assert_names(ei, packed_copy / ref.file, key)
+            store.close()
+            flip_byte(packed_copy / ref.file, off)  # restore
+        store = DiskStore(read_manifest(packed_copy), [precision])
+        store.read(key, precision, torch.empty(ref.nbytes, dtype=torch.uint8))  # restored: clean again
+        store.close()
+
+
+# -- whole files -------------------------------------------------------------------------------
+def test_truncated_expert_file_raises_at_load(packed_copy):
+    m = read_manifest(packed_copy)
+    ref = m.ref(ExpertKey(2, 7), "bf16")
+    path = packed_copy / ref.file
+    with open(path, "r+b") as f:
+        f.truncate(ref.offset + ref.nbytes // 2)  # the last expert's blob is cut in half
+    with pytest.raises(tiers.IntegrityError, match="truncated") as ei:
+        tiers.load(packed_copy, BF16, device="cpu", progress=False)
+    assert_names(ei, path)
+
+
+def test_missing_expert_file_raises_at_load(packed_copy):
+    path = packed_copy / read_manifest(packed_copy).ref(ExpertKey(1, 0), "bf16").file
+    path.unlink()
+    with pytest.raises(tiers.IntegrityError, match="missing") as ei:
+        tiers.load(packed_copy, BF16, device="cpu", progress=False)
+    assert_names(ei, path)
+
+
+def test_expert_file_removed_after_load_raises_on_read(packed_copy):
+    pl = placement(packed_copy, BF16)
+    key = pl.cold[0]
+    path = packed_copy / read_manifest(packed_copy).ref(key, "bf16").file
+    m = read_manifest(packed_copy)
+    store = DiskStore(m, ["bf16"])  # opens lazily: the size check passes, no fd yet
+    path.unlink()
+    with pytest.raises(tiers.IntegrityError, match="missing") as ei:
+        store.read(key, "bf16", torch.empty(m.ref(key, "bf16").nbytes, dtype=torch.uint8))
+    assert_names(ei, path, key)
+
+
+def _dense_file(root: Path) -> Path:
+    files = sorted(read_manifest(root).dense_files)
+    assert files
+    return root / files[0]
+
+
+def test_corrupt_dense_file_raises(packed_copy):
+    path = _dense_file(packed_copy)
+    flip_byte(path, path.stat().st_size // 2)
+    with pytest.raises(tiers.IntegrityError) as ei:
+        tiers.load(packed_copy, BF16, device="cpu", progress=False)
+    assert_names(ei, path)
+
+
+def test_truncated_dense_file_raises(packed_copy):
+    path = _dense_file(packed_copy)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(tiers.IntegrityError) as ei:
+        tiers.load(packed_copy, BF16, device="cpu", progress=False)
+    assert_names(ei, path)
+
+
+def test_missing_dense_file_raises(packed_copy):
+    path = _dense_file(packed_copy)
+    path.unlink()
+    with pytest.raises(tiers.IntegrityError, match="missing") as ei:
+        tiers.load(packed_copy, BF16, device="cpu", progress=False)
+    assert_names(ei, path)
+
+
+# -- verify="first" / "always" -----------------------------------------------------------------
+@pytest.mark.parametrize("verify", ["first", "always"])
+def test_verify_mode(packed_copy, verify):
+    m = read_manifest(packed_copy)
+    key = ExpertKey(0, 5)
+    ref = m.ref(key, "int8")
+    store = DiskStore(m, ["bf16", "int8"], verify=verify)
+    buf = torch.empty(ref.nbytes, dtype=torch.uint8)
+    store.read(key, "int8", buf)  # verified, clean
+    clean = buf.clone()
+    path = corrupt_expert(packed_copy, key, "int8")
+    buf2 = torch.empty(ref.nbytes, dtype=torch.uint8)
+    if verify == "first":
+        store.read(key, "int8", buf2)  # already verified once: not re-checked
+        assert not torch.equal(buf2, clean)  # (the read itself really sees the new bytes)
+    else:
+        with pytest.raises(tiers.IntegrityError) as ei:
+            store.read(key, "int8", buf2)
+        assert_names(ei, path, key)
+    # Another expert, never read before, is checked on its first read in either mode.
+    other = ExpertKey(0, 6)
+    corrupt_expert(packed_copy, other, "int8")
+    with pytest.raises(tiers.IntegrityError):
+        store.read(other, "int8", torch.empty(m.ref(other, "int8").nbytes, dtype=torch.uint8))
+    store.close()
+
+
+def test_verify_always_through_load(packed_copy):
+    pl = placement(packed_copy, BF16)
+    key = pl.cold[0]
+    mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False, verify="always"))
+    assert mgr.disk.verify == "always"
+    h = mgr.try_acquire(key)
+    mgr.wait(h)
+    mgr.release(h)
+    path = corrupt_expert(packed_copy, key, "bf16")
+    # Push it out of its staging slot so the next acquire reads the disk again.
+    for other in pl.cold[1:3]:
+        hh = mgr.try_acquire(other)
+        mgr.wait(hh)
+        mgr.release(hh)
+    assert mgr.table[key].slot is None
+    with pytest.raises(tiers.IntegrityError) as ei:
+        mgr.try_acquire(key)
+    assert_names(ei, path, key)
+
+
+def test_verify_mode_is_validated(packed_copy):
+    with pytest.raises(ValueError, match="verify"):
+        DiskStore(read_manifest(packed_copy), ["bf16"], verify="sometimes")

@@ -1,0 +1,154 @@
+"""tools/pack.py and tools/inspect.py: the command-line front ends."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loader.packed import read_manifest
+
+REPO = Path(__file__).resolve().parents[2]
+# tools.inspect shadows nothing when imported as a package module; as a script it must not
+# be confused with the stdlib's inspect (tested through the subprocess below).
+pack_cli = importlib.import_module("tools.pack")
+inspect_cli = importlib.import_module("tools.inspect")
+
+MODEL = "qwen3_moe"
+
+
+# -- tiers-pack ------------------------------------------------------------------------------
+def test_pack_main_packs_and_prints_summary(checkpoint_factory, tmp_path, capsys):
+    dst = tmp_path / "packed"
+    rc = pack_cli.main([str(checkpoint_factory(MODEL)), str(dst), "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "packed 24 experts in 3 MoE layers" in out
+    assert str(dst) in out
+    assert "bf16:" in out and "int8:" in out and "dense:" in out
+    m = read_manifest(dst)
+    assert m.precisions == ("bf16", "int8")
+    assert len(m.keys) == 24
+
+
+def test_pack_main_existing_dst_without_overwrite(checkpoint_factory, tmp_path, capsys):
+    dst = tmp_path / "packed"
+    dst.mkdir()
+    (dst / "mine.txt").write_text("keep")
+    rc = pack_cli.main([str(checkpoint_factory(MODEL)), str(dst), "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert "tiers-pack: error:" in err
+    assert str(dst) in err and "exists" in err and "--overwrite" in err
+    assert "Traceback" not in err
+    assert (dst / "mine.txt").read_text() == "keep"
+    rc = pack_cli.main([str(checkpoint_factory(MODEL)), str(dst), "--quiet", "--overwrite", "--precisions", "bf16"])
+    assert rc == 0
+    assert not (dst / "mine.txt").exists()
+    assert read_manifest(dst).precisions == ("bf16", "int8")  # --precisions adds to the defaults
+
+
+@pytest.mark.parametrize(
+    "yaml_text, expected",
+    [
+        ("tiers:\n  gpu: {fraction: 0.5}\n  cpu: {fraction: 0.25, precision: bf16}\n  nvme: {precision: bf16}\n", ("bf16",)),
+        ("tiers:\n  cpu: {precision: int8}\n  nvme: {precision: bf16}\n", ("bf16", "int8")),
+    ],
+)
+def test_pack_main_config_names_the_precisions(checkpoint_factory, tmp_path, capsys, yaml_text, expected):
+    cfg = tmp_path / "tiers.yaml"
+    cfg.write_text(yaml_text)
+    dst = tmp_path / "packed"
+    rc = pack_cli.main([str(checkpoint_factory(MODEL)), str(dst), "--config", str(cfg), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    assert read_manifest(dst).precisions == expected
+    assert sorted(p.name for p in (dst / "experts").iterdir()) == sorted(expected)
+
+
+def test_pack_main_config_with_bnb8(checkpoint_factory, tmp_path, capsys):
+    pytest.importorskip("bitsandbytes")
+    cfg = tmp_path / "tiers.yaml"
+    cfg.write_text("tiers:\n  cpu: {precision: int8}\n  nvme: {precision: bnb8}\n")
+    dst = tmp_path / "packed"
+    rc = pack_cli.main([str(checkpoint_factory(MODEL)), str(dst), "--config", str(cfg), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    m = read_manifest(dst)
+    assert m.precisions == ("bf16", "int8", "bnb8")
+    assert all(m.layers[k.layer].experts[k.expert]["bnb8"].sqnr_db > 30 for k in m.keys)
+
+
+def test_pack_main_bad_config_and_source(tmp_path, capsys, checkpoint_factory):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    rc = pack_cli.main([str(bad), str(tmp_path / "out"), "--quiet"])
+    assert rc == 2
+    assert str(bad) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# -- tiers-inspect ---------------------------------------------------------------------------
+def _layer_rows(out: str) -> list[list[str]]:
+    return [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+
+
+def test_inspect_main_prints_layer_rows(packed_factory, capsys):
+    packed = packed_factory(MODEL, ("bf16", "int8"))
+    rc = inspect_cli.main([str(packed)])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{packed}: {MODEL}, 24 experts in 3 MoE layers")
+    assert "bf16 KiB" in lines[1] and "int8 dB" in lines[1]
+    rows = _layer_rows(out)
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    m = read_manifest(packed)
+    for r in rows:
+        L = int(r[0])
+        assert r[1] == "8"
+        assert r[2] == f"{m.layers[L].blobs['bf16'].nbytes / 1024:.1f}"
+        assert r[3] == "exact"  # bf16 is lossless
+        assert r[4] == f"{m.layers[L].blobs['int8'].nbytes / 1024:.1f}"
+        assert 30 < float(r[5]) < 60
+        assert r[5] == f"{min(e['int8'].sqnr_db for e in m.layers[L].experts):.1f}"
+
+
+def test_inspect_main_json_parses(packed_factory, capsys):
+    packed = packed_factory(MODEL, ("bf16", "int8"))
+    rc = inspect_cli.main([str(packed), "--json"])
+    out, _ = capsys.readouterr()
+    assert rc == 0
+    info = json.loads(out)
+    assert info["model_type"] == MODEL
+    assert info["precisions"] == ["bf16", "int8"]
+    assert info["experts"] == 24
+    assert [r["layer"] for r in info["layers"]] == [0, 1, 2]
+    for r in info["layers"]:
+        assert r["experts"] == 8
+        assert set(r["tensors"]) == {"gate_up_proj", "down_proj"}
+        assert r["min_sqnr_db"]["bf16"] is None and r["min_sqnr_db"]["int8"] > 30
+    m = read_manifest(packed)
+    assert info["dense_bytes"] == sum(f["nbytes"] for f in m.dense_files.values()) > 0
+
+
+@pytest.mark.parametrize("kind", ["empty_dir", "hf_checkpoint", "missing"])
+def test_inspect_main_non_packed_dir(kind, tmp_path, capsys, checkpoint_factory):
+    target = {"empty_dir": tmp_path, "hf_checkpoint": checkpoint_factory(MODEL), "missing": tmp_path / "nope"}[kind]
+    rc = inspect_cli.main([str(target)])
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert "tiers-inspect: error:" in err and str(target) in err
+    assert "Traceback" not in err and out == ""
+
+
+def test_inspect_script_runs_as_subprocess(packed_factory):
+    packed = packed_factory(MODEL, ("bf16", "int8"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "tools/inspect.py", str(packed)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"{MODEL}, 24 experts in 3 MoE layers" in proc.stdout
+    assert [r[0] for r in _layer_rows(proc.stdout)] == ["0", "1", "2"]
