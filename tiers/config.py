@@ -8,6 +8,7 @@ was not packed) happen in ``tiers.policy.plan_placement``.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,9 +66,12 @@ def parse_size(value: Any, key: str) -> int:
     if isinstance(value, int):
         n = value
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        number = float(m.group(1))
+        if not math.isfinite(number) or number * _UNITS[m.group(2).lower()] > 2**63:
+            raise ValueError(f"{key}: size {value!r} is out of range")
+        n = int(number * _UNITS[m.group(2).lower()])
     else:
-        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB (units: B, KB, MB, GB, KiB, MiB, GiB, TiB), got {value!r}")
+        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}")
     if n <= 0:
         raise ValueError(f"{key}: a budget must be positive, got {value!r}")
     return n
@@ -94,7 +98,7 @@ def _size(d: dict, key: str, default: TierSize) -> TierSize:
         f = d["fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)):
             raise ValueError(f"{key}.fraction: expected a number in [0, 1], got {f!r}")
-        if not 0.0 <= float(f) <= 1.0:
+        if not 0 <= f <= 1:
             raise ValueError(f"{key}.fraction: must be in [0, 1], got {f!r}")
         return TierSize(fraction=float(f))
     return default
@@ -119,7 +123,10 @@ def parse_config(doc: Any) -> TiersConfig:
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
         raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024], got {slots!r}")
     gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots)
-    cpu = CpuTier(_size(c, "tiers.cpu", d.cpu.size), _precision(c, "tiers.cpu", d.cpu.precision))
+    cpu_default = d.cpu.size
+    if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
+        cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))
+    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision))
     nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision))
     if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
         raise ValueError(
@@ -139,11 +146,13 @@ def load_config(config: str | Path | dict | TiersConfig | None) -> TiersConfig:
         return parse_config(config)
     if isinstance(config, (str, Path)):
         path = Path(config)
+        if path.is_dir():
+            raise ValueError(f"config: {str(path)!r} is a directory, expected a YAML file")
         if not path.is_file():
             raise ValueError(f"config: file {str(path)!r} does not exist")
         try:
-            doc = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ValueError(f"config: {str(path)!r} is not valid YAML: {e}") from None
         return parse_config(doc)
     raise ValueError(f"config: expected a YAML path, a dict or None, got {type(config).__name__}")

@@ -1,0 +1,471 @@
+"""tiers.config: YAML -> TiersConfig, with every bad field a ValueError naming its dotted key."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tiers.config import (
+    CpuTier,
+    GpuTier,
+    NvmeTier,
+    TiersConfig,
+    TierSize,
+    load_config,
+    parse_config,
+    parse_size,
+    precisions_needed,
+)
+
+PRECISIONS = ("bf16", "bnb8", "int8")  # what quant registers; spelled out so a new scheme is a conscious change
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# The documented minimal YAML (tools/demo.py's DEMO_YAML), comments included.
+MINIMAL_YAML = """\
+tiers:
+  gpu:  {fraction: 0.25}              # of expert bytes at bf16, staging slots included
+  cpu:  {fraction: 0.5, precision: int8}
+  nvme: {precision: int8}             # everything else
+"""
+MINIMAL = TiersConfig(
+    gpu=GpuTier(size=TierSize(fraction=0.25), precision="bf16", staging_slots=2),
+    cpu=CpuTier(size=TierSize(fraction=0.5), precision="int8"),
+    nvme=NvmeTier(precision="int8"),
+)
+
+UNITS = {  # re-stated here, not imported: the test is the spec
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
+}
+
+
+def at(dotted: str, value) -> dict:
+    """``at("tiers.gpu.fraction", 2)`` -> ``{"tiers": {"gpu": {"fraction": 2}}}``."""
+    parts = dotted.split(".")
+    doc: dict = {parts[-1]: value}
+    for p in reversed(parts[:-1]):
+        doc = {p: doc}
+    return doc
+
+
+def raises_for(key: str):
+    """A ValueError whose message starts with the dotted key."""
+    return pytest.raises(ValueError, match="^" + re.escape(key) + ":")
+
+
+# -- strategies for bad values ---------------------------------------------------------------
+
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=True),
+                     st.text(max_size=12))
+_junk = st.one_of(_scalars, st.lists(_scalars, max_size=3), st.dictionaries(st.text(max_size=4), _scalars, max_size=2))
+
+bad_fraction = st.one_of(
+    st.booleans(),  # YAML yes/no/true: a bool is not a number here
+    st.none(),
+    st.text(max_size=12),  # "25%", "0.25", ...
+    st.lists(_scalars, max_size=3),
+    st.dictionaries(st.text(max_size=4), _scalars, max_size=2),
+    st.floats(max_value=-1e-12),  # includes -inf
+    st.floats(min_value=1.0 + 1e-9, allow_infinity=True),  # includes inf
+    st.just(math.nan),
+    st.integers(max_value=-1),
+    st.integers(min_value=2, max_value=2**70),
+)
+
+# A string that could be a valid size: digits with an optional fraction and letters. Anything else is garbage.
+_SIZE_LIKE = re.compile(r"\s*[0-9]+(\.[0-9]+)?\s*[A-Za-z]*\s*")
+bad_size_string = st.one_of(
+    st.text(max_size=16).filter(lambda s: not _SIZE_LIKE.fullmatch(s)),
+    st.builds(lambda n, u: f"{n}{u}", st.integers(1, 10**6), st.sampled_from(["XB", "gigs", "Gi", "kibs", "bytes", "PB", "PiB"])),
+    st.builds(lambda n, u: f"-{n}{u}", st.integers(1, 10**6), st.sampled_from(["", "B", "MB", "GiB"])),
+    st.builds(lambda n, u: f"{n}e3{u}", st.integers(1, 99), st.sampled_from(["", "B", "MB"])),
+    st.sampled_from(["", " ", "GiB", "1..5GiB", ".5GiB", "1,024", "1_000", "0x10", "24 Gi B", "inf", "nan"]),
+)
+zero_size_string = st.one_of(  # well-formed, but rounds to 0 bytes
+    st.builds(lambda u: f"0{u}", st.sampled_from(list(UNITS) + [""])),
+    st.builds(lambda d: f"0.{d}B", st.integers(0, 999999)),
+    st.builds(lambda d: f"0.{d}", st.integers(0, 999999)),
+)
+bad_budget = st.one_of(
+    st.booleans(),  # True would otherwise be 1 byte
+    st.none(),
+    st.integers(max_value=0),  # zero and negative sizes
+    st.floats(),  # a bare float is not a size; sizes with a fraction are strings ("1.5GiB")
+    st.lists(_scalars, max_size=3),
+    st.dictionaries(st.text(max_size=4), _scalars, max_size=2),
+    bad_size_string,
+    zero_size_string,
+)
+bad_slots = st.one_of(
+    st.booleans(),
+    st.none(),
+    st.integers(max_value=0),
+    st.integers(min_value=1025, max_value=2**70),
+    st.floats(),  # 2.0 included: slots are counted, not measured
+    st.text(max_size=8),
+    st.lists(_scalars, max_size=3),
+)
+bad_precision = st.one_of(
+    st.text(max_size=10).filter(lambda s: s not in PRECISIONS),
+    st.sampled_from(["INT8", "Int8", "bfloat16", "fp8", "int4", "nf4", " int8", "int8 "]),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.lists(st.sampled_from(PRECISIONS), max_size=2),
+)
+
+
+# -- every field fuzzed -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key", ["tiers.gpu.fraction", "tiers.cpu.fraction"])
+@FUZZ
+@given(value=bad_fraction)
+def test_bad_fraction_names_key_and_value(key, value):
+    with raises_for(key) as ei:
+        parse_config(at(key, value))
+    assert repr(value) in str(ei.value)
+
+
+@pytest.mark.parametrize("key", ["tiers.gpu.budget", "tiers.cpu.budget"])
+@FUZZ
+@given(value=bad_budget)
+def test_bad_budget_names_key_and_value(key, value):
+    with raises_for(key) as ei:
+        parse_config(at(key, value))
+    assert repr(value) in str(ei.value)
+
+
+@FUZZ
+@given(value=bad_slots)
+def test_bad_staging_slots_names_key_and_value(value):
+    with raises_for("tiers.gpu.staging_slots") as ei:
+        parse_config(at("tiers.gpu.staging_slots", value))
+    assert repr(value) in str(ei.value)
+
+
+@pytest.mark.parametrize("key", ["tiers.gpu.precision", "tiers.cpu.precision", "tiers.nvme.precision"])
+@FUZZ
+@given(value=bad_precision)
+def test_bad_precision_names_key_and_allowed(key, value):
+    with raises_for(key) as ei:
+        parse_config(at(key, value))
+    msg = str(ei.value)
+    assert repr(value) in msg
+    assert str(list(PRECISIONS)) in msg  # what is allowed
+
+
+_ALLOWED = {
+    "config": {"tiers"},
+    "tiers": {"gpu", "cpu", "nvme"},
+    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots"},
+    "tiers.cpu": {"fraction", "budget", "precision"},
+    "tiers.nvme": {"precision"},
+}
+
+
+@pytest.mark.parametrize("section", list(_ALLOWED))
+@FUZZ
+@given(name=st.one_of(st.text(min_size=1, max_size=12), st.integers(-5, 5)), value=_junk)
+def test_unknown_key_names_dotted_key(section, name, value):
+    if name in _ALLOWED[section]:
+        name = f"{name}_"
+    doc = {name: value} if section == "config" else at(section, {name: value})
+    with raises_for(f"{section}.{name}") as ei:
+        parse_config(doc)
+    assert str(sorted(_ALLOWED[section])) in str(ei.value)
+
+
+@pytest.mark.parametrize("section", ["tiers", "tiers.gpu", "tiers.cpu", "tiers.nvme"])
+@FUZZ
+@given(value=st.one_of(st.booleans(), st.integers(), st.floats(), st.text(min_size=1, max_size=8),
+                       st.lists(_scalars, min_size=1, max_size=3)))
+def test_section_that_is_not_a_mapping_names_section(section, value):
+    with raises_for(section) as ei:
+        parse_config(at(section, value))
+    assert "expected a mapping" in str(ei.value)
+
+
+@FUZZ
+@given(value=st.one_of(st.booleans(), st.integers(), st.text(min_size=1, max_size=8), st.lists(_scalars, min_size=1, max_size=3)))
+def test_document_that_is_not_a_mapping(value):
+    with raises_for("config"):
+        parse_config(value)
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu"])
+@FUZZ
+@given(fraction=st.floats(0, 1), budget=st.one_of(st.integers(1, 2**40), st.sampled_from(["24GiB", "512MB"])))
+def test_fraction_and_budget_together_rejected(tier, fraction, budget):
+    with raises_for(f"tiers.{tier}") as ei:
+        parse_config({"tiers": {tier: {"fraction": fraction, "budget": budget}}})
+    assert "not both" in str(ei.value)
+
+
+@FUZZ
+@given(g=st.floats(0, 1), c=st.floats(0, 1))
+def test_fractions_summing_above_one_rejected(g, c):
+    doc = {"tiers": {"gpu": {"fraction": g}, "cpu": {"fraction": c}}}
+    if g + c > 1.0 + 1e-6:
+        with pytest.raises(ValueError, match=re.escape("tiers.gpu.fraction + tiers.cpu.fraction must be <= 1")):
+            parse_config(doc)
+    elif g + c <= 1.0:
+        cfg = parse_config(doc)
+        assert (cfg.gpu.size, cfg.cpu.size) == (TierSize(fraction=g), TierSize(fraction=c))
+
+
+# -- exact messages ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        (at("tiers.gpu.fraction", 1.5), "tiers.gpu.fraction: must be in [0, 1], got 1.5"),
+        (at("tiers.cpu.fraction", "50%"), "tiers.cpu.fraction: expected a number in [0, 1], got '50%'"),
+        (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
+        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'fraction', 'precision', 'staging_slots']"),
+        ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
+        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme']"),
+        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision']"),
+        (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 0"),
+        (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 2.0"),
+        (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8']"),
+        (at("tiers.gpu.budget", -5), "tiers.gpu.budget: a budget must be positive, got -5"),
+        (at("tiers.gpu.budget", "0GiB"), "tiers.gpu.budget: a budget must be positive, got '0GiB'"),
+        (
+            at("tiers.gpu.budget", "-1GiB"),
+            "tiers.gpu.budget: expected a size such as 8GiB or 512MB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got '-1GiB'",
+        ),
+        (at("tiers.cpu.budget", True), "tiers.cpu.budget: expected a size such as 8GiB or 512MB, got True"),
+        (
+            {"tiers": {"gpu": {"fraction": 0.25, "budget": "1GiB"}}},
+            "tiers.gpu: give either fraction or budget, not both (got fraction=0.25, budget='1GiB')",
+        ),
+        (
+            {"tiers": {"gpu": {"fraction": 0.75}, "cpu": {"fraction": 0.5}}},
+            "tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got 0.75 + 0.5 = 1.25",
+        ),
+        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'fraction', 'precision', 'staging_slots'], got float 0.25"),
+        (["tiers"], "config: expected a mapping with keys ['tiers'], got list ['tiers']"),
+    ],
+)
+def test_exact_messages(doc, message):
+    with pytest.raises(ValueError) as ei:
+        parse_config(doc)
+    assert str(ei.value) == message
+
+
+def test_load_config_rejects_other_types():
+    with pytest.raises(ValueError) as ei:
+        load_config(3)
+    assert str(ei.value) == "config: expected a YAML path, a dict or None, got int"
+
+
+# -- good values --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("24GiB", 24 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5GiB", 3 * 2**29),
+        ("1073741824", 2**30),
+        (1073741824, 2**30),
+        (1, 1),
+        ("100B", 100),
+        ("7 kb", 7000),
+        (" 3TiB ", 3 * 2**40),
+        ("2tb", 2 * 10**12),
+        ("0.5KiB", 512),
+        ("64mib", 64 * 2**20),
+    ],
+)
+def test_parse_size_good(text, n):
+    got = parse_size(text, "k")
+    assert got == n and type(got) is int
+
+
+@FUZZ
+@given(n=st.integers(1, 10**6), unit=st.sampled_from(list(UNITS)), case=st.sampled_from([str, str.lower, str.upper]),
+       space=st.sampled_from(["", " "]))
+def test_parse_size_units(n, unit, case, space):
+    assert parse_size(f"{n}{space}{case(unit)}", "k") == n * UNITS[unit]
+
+
+@FUZZ
+@given(n=st.integers(1, 2**62))
+def test_parse_size_plain_ints(n):
+    assert parse_size(n, "k") == n
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu"])
+@pytest.mark.parametrize("budget, n", [("24GiB", 24 * 2**30), ("512MB", 512 * 10**6), ("1.5GiB", 3 * 2**29), (4096, 4096)])
+def test_budget_parses(tier, budget, n):
+    cfg = parse_config({"tiers": {tier: {"budget": budget}}})
+    assert getattr(cfg, tier).size == TierSize(fraction=None, budget=n)
+
+
+@pytest.mark.parametrize("g, c", [(0, 0), (0, 1), (1, 0), (0.0, 1.0), (1.0, 0.0), (0.7, 0.3), (0.1, 0.9), (0.25, 0.75)])
+def test_fraction_edges_parse(g, c):
+    cfg = parse_config({"tiers": {"gpu": {"fraction": g}, "cpu": {"fraction": c}}})
+    assert cfg.gpu.size == TierSize(fraction=float(g))
+    assert cfg.cpu.size == TierSize(fraction=float(c))
+    assert type(cfg.gpu.size.fraction) is float and type(cfg.cpu.size.fraction) is float
+
+
+@pytest.mark.parametrize("slots", [1, 2, 7, 1024])
+def test_staging_slots_parse(slots):
+    assert parse_config(at("tiers.gpu.staging_slots", slots)).gpu.staging_slots == slots
+
+
+@pytest.mark.parametrize("key", ["tiers.gpu.precision", "tiers.cpu.precision", "tiers.nvme.precision"])
+@pytest.mark.parametrize("p", PRECISIONS)
+def test_precisions_parse(key, p):
+    cfg = parse_config(at(key, p))
+    tier = key.split(".")[1]
+    assert getattr(cfg, tier).precision == p
+
+
+def test_minimal_yaml_file(tmp_path):
+    path = tmp_path / "tiers.yaml"
+    path.write_text(MINIMAL_YAML)
+    assert load_config(path) == MINIMAL
+    assert load_config(str(path)) == MINIMAL
+
+
+def test_minimal_yaml_as_dict_and_defaults():
+    assert load_config(yaml.safe_load(MINIMAL_YAML)) == MINIMAL
+    assert load_config({"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.5, "precision": "int8"},
+                                  "nvme": {"precision": "int8"}}}) == MINIMAL
+    assert load_config(None) == MINIMAL
+    assert TiersConfig() == MINIMAL
+    assert parse_config({}) == MINIMAL
+
+
+def test_load_config_passes_a_config_through():
+    cfg = parse_config({"tiers": {"gpu": {"budget": "1GiB", "staging_slots": 3}}})
+    assert load_config(cfg) is cfg
+
+
+def test_full_yaml_file(tmp_path):
+    path = tmp_path / "full.yaml"
+    path.write_text(
+        "tiers:\n"
+        "  gpu:\n    budget: 24GiB\n    precision: bf16\n    staging_slots: 4\n"
+        "  cpu:\n    budget: 512MB\n    precision: bnb8\n"
+        "  nvme:\n    precision: int8\n"
+    )
+    assert load_config(path) == TiersConfig(
+        GpuTier(TierSize(budget=24 * 2**30), "bf16", 4), CpuTier(TierSize(budget=512 * 10**6), "bnb8"), NvmeTier("int8")
+    )
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("tiers:\n  gpu: {fraction: yes}\n", "tiers.gpu.fraction"),  # YAML 1.1 bool
+        ("tiers:\n  gpu: {fraction: 25%}\n", "tiers.gpu.fraction"),
+        ("tiers:\n  cpu: {fraction: .inf}\n", "tiers.cpu.fraction"),
+        ("tiers:\n  cpu: {fraction: .nan}\n", "tiers.cpu.fraction"),
+        ("tiers:\n  gpu: {budget: 24 gigs}\n", "tiers.gpu.budget"),
+        ("tiers:\n  cpu: {budget: -512MB}\n", "tiers.cpu.budget"),
+        ("tiers:\n  cpu: {budget: 1.5}\n", "tiers.cpu.budget"),
+        ("tiers:\n  gpu: {budget: ~}\n", "tiers.gpu.budget"),
+        ("tiers:\n  gpu: {staging_slots: 2.5}\n", "tiers.gpu.staging_slots"),
+        ("tiers:\n  gpu: {staging_slots: on}\n", "tiers.gpu.staging_slots"),
+        ("tiers:\n  nvme: {precision: INT8}\n", "tiers.nvme.precision"),
+        ("tiers:\n  gpu: {bogus: 1}\n", "tiers.gpu.bogus"),
+        ("tierz:\n  gpu: {fraction: 0.25}\n", "config.tierz"),
+        ("tiers:\n  - gpu\n", "tiers"),
+    ],
+)
+def test_bad_yaml_file_names_key(tmp_path, text, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with raises_for(key):
+        load_config(path)
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ValueError) as ei:
+        load_config(path)
+    assert str(ei.value) == f"config: file {str(path)!r} does not exist"
+    with pytest.raises(ValueError, match=re.escape(repr(str(path)))):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("text", ["tiers:\n  gpu: {fraction: 0.25\n", "tiers: [\n", "tiers:\n\tgpu: 1\n", "a: b: c\n"])
+def test_invalid_yaml_file(tmp_path, text):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as ei:
+        load_config(path)
+    assert str(ei.value).startswith(f"config: {str(path)!r} is not valid YAML: ")
+
+
+def test_non_utf8_file_names_file(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00tiers: {gpu: {fraction: 0.25}}\n")
+    with pytest.raises(ValueError, match=re.escape(repr(str(path)))):
+        load_config(path)
+
+
+@pytest.mark.parametrize("budget", ["9" * 400, "9" * 400 + "GiB", "1" * 320 + "B"], ids=["400-digits", "400-digits-GiB", "320-digits-B"])
+def test_huge_size_string_is_a_value_error(budget):
+    with raises_for("tiers.gpu.budget"):
+        parse_config(at("tiers.gpu.budget", budget))
+
+
+@pytest.mark.parametrize("key", ["tiers.gpu.fraction", "tiers.cpu.fraction"])
+def test_huge_int_fraction_is_a_value_error(key):
+    with raises_for(key):
+        parse_config(at(key, 10**400))
+
+
+# -- precisions_needed ----------------------------------------------------------------------
+
+
+def test_precisions_needed_defaults():
+    assert precisions_needed(TiersConfig()) == ["bf16", "int8"]
+
+
+@FUZZ
+@given(g=st.sampled_from(PRECISIONS), c=st.sampled_from(PRECISIONS), n=st.sampled_from(PRECISIONS))
+def test_precisions_needed(g, c, n):
+    cfg = parse_config({"tiers": {"gpu": {"precision": g}, "cpu": {"precision": c}, "nvme": {"precision": n}}})
+    got = precisions_needed(cfg)
+    expected = ["bf16"]
+    for p in (g, c, n):
+        if p not in expected:
+            expected.append(p)
+    assert got == expected
+
+
+def test_precisions_needed_order():
+    cfg = parse_config({"tiers": {"cpu": {"precision": "bnb8"}, "nvme": {"precision": "int8"}}})
+    assert precisions_needed(cfg) == ["bf16", "bnb8", "int8"]
+    cfg = parse_config({"tiers": {"cpu": {"precision": "bf16"}, "nvme": {"precision": "bf16"}}})
+    assert precisions_needed(cfg) == ["bf16"]
+
+
+def test_default_cpu_share_shrinks_to_fit_a_large_gpu_fraction():
+    from tiers.config import load_config
+
+    assert load_config({"tiers": {"gpu": {"fraction": 0.6}}}).cpu.size.fraction == pytest.approx(0.4)
+    assert load_config({"tiers": {"gpu": {"fraction": 1.0}}}).cpu.size.fraction == 0.0
+    assert load_config({"tiers": {"gpu": {"fraction": 0.1}}}).cpu.size.fraction == 0.5
+
+
+def test_directory_as_config_is_named(tmp_path):
+    from tiers.config import load_config
+
+    with pytest.raises(ValueError, match="is a directory, expected a YAML file"):
+        load_config(tmp_path)
