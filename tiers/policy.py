@@ -68,6 +68,16 @@ def _check_precision(manifest: Manifest, key: str, precision: str) -> None:
         )
 
 
+def _fill(order: list[ExpertKey], cost: dict[int, int], budget: int) -> list[ExpertKey]:
+    """Take experts in preference order while each one's cost (by layer) still fits the budget."""
+    taken = []
+    for k in order:
+        if cost[k.layer] <= budget:
+            taken.append(k)
+            budget -= cost[k.layer]
+    return taken
+
+
 def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
     order = preference_order(manifest)
     slot_bytes = {L: e.layout.nbytes() for L, e in manifest.layers.items()}
@@ -106,12 +116,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
                 f"{gpu_key}: {gpu_budget} bytes cannot hold the {cfg.gpu.staging_slots} staging slot(s) misses need "
                 f"({reserved} bytes with transit buffers); raise it to at least {reserved} or lower tiers.gpu.staging_slots"
             )
-        left = gpu_budget - reserved
-        hot = []
-        for k in order:
-            if slot_bytes[k.layer] <= left:
-                hot.append(k)
-                left -= slot_bytes[k.layer]
+        hot = _fill(order, slot_bytes, gpu_budget - reserved)
     hot_set = set(hot)
     rest = [k for k in order if k not in hot_set]
 
@@ -126,11 +131,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
         raise ValueError(
             f"{cpu_key}: {cpu_budget} bytes is smaller than one expert ({min(stride[k.layer] for k in rest)} bytes at {cfg.cpu.precision})"
         )
-    warm, left = [], cpu_budget
-    for k in rest:
-        if stride[k.layer] <= left:
-            warm.append(k)
-            left -= stride[k.layer]
+    warm = _fill(rest, stride, cpu_budget)
     warm_set = set(warm)
     cold = [k for k in rest if k not in warm_set]
     if cold:
