@@ -131,8 +131,11 @@ class TierManager:
         needed |= {cfg.nvme.precision} if placement.cold else set()
         self.disk = DiskStore(manifest, sorted(needed), verify=verify)
 
-        homes = {k: Home.GPU for k in placement.hot} | {k: Home.CPU for k in placement.warm} | {k: Home.NVME for k in placement.cold}
-        self.table = ResidencyTable({k: Residency(home=h) for k, h in homes.items()})
+        # The initial table: every expert's home, and each warm expert's place in the host pool.
+        initial = {k: Residency(home=Home.GPU) for k in placement.hot}
+        initial |= {k: Residency(home=Home.CPU, host_offset=self.host.alloc(manifest.ref(k, cfg.cpu.precision).nbytes)) for k in placement.warm}
+        initial |= {k: Residency(home=Home.NVME) for k in placement.cold}
+        self.table = ResidencyTable(initial)
         self._load(progress)
 
     # -- load time -----------------------------------------------------------------------
@@ -158,9 +161,7 @@ class TierManager:
         cp = self.cfg.cpu.precision
         for key in self.placement.warm:
             ref = self.manifest.ref(key, cp)
-            off = self.host.alloc(ref.nbytes)
-            self.disk.read(key, cp, self.host.view(off, ref.nbytes))
-            self.table._table[key] = Residency(home=Home.CPU, host_offset=off)  # initial value, before any transition
+            self.disk.read(key, cp, self.host.view(self.table[key].host_offset, ref.nbytes))
             bar.update(1)
         bar.close()
         if self.device.type == "cuda":

@@ -44,7 +44,9 @@ def tiers_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
-    binding: LayerBinding = self._tiers_binding
+    binding: LayerBinding | None = getattr(self, "_tiers_binding", None)
+    if binding is None:
+        raise RuntimeError(f"{type(self).__name__} has no tier binding: the 'tiers' experts implementation serves models loaded with tiers.load")
     final_hidden_states = torch.zeros_like(hidden_states)  # [T, H]
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
