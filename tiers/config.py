@@ -39,6 +39,8 @@ class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
     staging_slots: int = 2  # GPU slots for misses, inside the budget
+    cache: str = "lru"  # which staging slot a miss takes: lru or lfu
+    lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
 
 
 @dataclass(frozen=True)
@@ -115,14 +117,20 @@ def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme"})
-    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots"})
+    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision"})
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
         raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024], got {slots!r}")
-    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots)
+    cache = g.get("cache", d.gpu.cache)
+    if cache not in ("lru", "lfu"):
+        raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: ['lru', 'lfu']")
+    decay = g.get("lfu_decay", d.gpu.lfu_decay)
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+        raise ValueError(f"tiers.gpu.lfu_decay: expected a number in (0, 1], got {decay!r}")
+    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache, float(decay))
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))

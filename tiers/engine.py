@@ -31,7 +31,8 @@ from loader.packed import Manifest
 from tiers.config import TiersConfig
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned, copy_h2d_async
-from tiers.policy import LruSlots, Placement
+from tiers.cache import LruSlots, make_cache
+from tiers.policy import Placement
 from tiers.residency import Home, Op, Residency, ResidencyTable
 from tiers.slots import SlotPool
 from tiers.stats import StatsCollector, TierStats
@@ -102,7 +103,7 @@ class TierManager:
             layout = manifest.layers[g.layers[0]].layout
             pool = SlotPool(layout, g.n_slots, device=device, dtype=self.dtype, event_factory=self.streams.event)
             self.pools.append(pool)
-            self.lru[id(pool)] = LruSlots(range(g.hot, g.n_slots))
+            self.lru[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay)
             self.hot_count[id(pool)] = g.hot
             self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
             for L in g.layers:
@@ -173,6 +174,8 @@ class TierManager:
         r = self.table[key]
         pool = self.pool_of[key.layer]
         lru = self.lru[id(pool)]
+        if not r.pinned:
+            lru.access(key)
         if r.slot is not None:
             self.stats_.lookup("gpu")
             if not r.pinned:
@@ -190,7 +193,7 @@ class TierManager:
             self.table.apply(old, Op.EVICT)
         self._stage(key, pool, slot, precision, source, src)
         self.table.apply(key, Op.STAGE, slot)
-        lru.touch(slot)
+        lru.assign(slot, key)
         pool.hold(slot)
         return Handle(key, pool, slot)
 

@@ -12,7 +12,6 @@ experts at the cpu tier's precision (4 KiB aligned blobs).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from loader.layout import ExpertKey
@@ -148,20 +147,3 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
         for sig, Ls in groups_by_sig.items()
     )
     return Placement(tuple(sorted(hot)), tuple(sorted(warm)), tuple(sorted(cold)), groups, gpu_budget, cpu_budget)
-
-
-class LruSlots:
-    """Least-recently-used order over a group's staging slots."""
-
-    def __init__(self, slots: range):
-        self._order: OrderedDict[int, None] = OrderedDict.fromkeys(slots)
-
-    def touch(self, slot: int) -> None:
-        self._order.move_to_end(slot)
-
-    def victim(self, readers: list[int]) -> int | None:
-        """The least recently used slot nobody holds, or None if all are held."""
-        for slot in self._order:
-            if readers[slot] == 0:
-                return slot
-        return None

@@ -19,7 +19,8 @@ from loader.blob import blob_layout
 from loader.layout import ExpertKey
 from loader.packed import read_manifest
 from tiers.config import parse_config
-from tiers.policy import LruSlots, plan_placement
+from tiers.cache import LruSlots
+from tiers.policy import plan_placement
 
 SWEEP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
