@@ -58,7 +58,8 @@ class BlobLayout:
         return align(self.nbytes, BLOB_ALIGN)
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
-        """Quantize one expert's tensors into a fresh uint8 blob of ``stride`` bytes; also the SQNR (dB) per tensor."""
+        """Quantize one expert's tensors into a fresh uint8 CPU blob of ``stride`` bytes; also the SQNR (dB)
+        per tensor. Quantization runs on the tensors' device (a GPU makes large packs much faster)."""
         scheme = quant.get_scheme(self.precision)
         blob = torch.zeros(self.stride, dtype=torch.uint8)  # [stride]
         sqnr: dict[str, float] = {}
@@ -72,7 +73,7 @@ class BlobLayout:
                     src = q.data[pf.spec.name].contiguous().view(-1).view(torch.uint8)
                     blob[pf.offset : pf.offset + src.numel()].copy_(src)
             if not scheme.lossless:
-                back = torch.empty(shape, dtype=torch.bfloat16)
+                back = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
                 scheme.dequantize(q, out=back)
                 sqnr[name] = quant.sqnr_db(w, back)
         return blob, sqnr

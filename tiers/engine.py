@@ -92,6 +92,7 @@ class TierManager:
         self.timing = device.type == "cuda"
         self.copy_stream = self.streams.new_stream()
         self.stats_ = StatsCollector()
+        self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
 
         # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
         self.pool_of: dict[int, SlotPool] = {}
@@ -174,6 +175,8 @@ class TierManager:
         r = self.table[key]
         pool = self.pool_of[key.layer]
         lru = self.lru[id(pool)]
+        if self.recorded is not None:
+            self.recorded.append(key)
         if not r.pinned:
             lru.access(key)
         if r.slot is not None:

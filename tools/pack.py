@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precisions", help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)})")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ap.add_argument("--device", default="cpu", help="where to quantize experts: cpu (default) or cuda (faster for large models)")
     args = ap.parse_args(argv)
     precisions = list(DEFAULT_PRECISIONS)
     if args.config:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.precisions:
         precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
     try:
-        summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet)
+        summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"tiers-pack: error: {e}", file=sys.stderr)
         return 2

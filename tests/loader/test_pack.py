@@ -211,9 +211,9 @@ def test_interrupted_pack_leaves_nothing(checkpoint_factory, tmp_path, monkeypat
     real = pack_module._write_experts
     seen = {}
 
-    def midway(source, experts, layouts, sources, precisions, out, progress):
+    def midway(source, experts, layouts, sources, precisions, out, progress, device):
         first = dict(list(experts.items())[:1])
-        real(source, first, layouts, sources, precisions, out, progress)  # one layer really written
+        real(source, first, layouts, sources, precisions, out, progress, device)  # one layer really written
         seen["files"] = sorted(str(p.relative_to(out)) for p in out.rglob("*.safetensors"))
         raise exc("disk on fire")
 

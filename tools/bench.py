@@ -1,0 +1,364 @@
+"""tiers-bench: decode and prefill with offloaded experts, against all-GPU, naive lazy .to() and accelerate.
+
+    python tools/bench.py [--model mixtral|qwen3_moe] [--layers N] [--tokens 32] [--prefill 2048]
+                          [--arms all] [--out bench/results] [--device cuda] [--tiny]
+
+Builds a random-weight model of real shapes (Mixtral-8x7B with 8 layers, or Qwen3-30B-A3B with 12
+layers, by default), saves and packs it, then measures each arm in one run:
+
+- ``all_gpu``: every expert on the GPU, transformers' default experts implementation;
+- ``lazy``: experts in pageable CPU memory, each hit expert moved with ``.to()`` when used;
+- ``accelerate``: ``accelerate.dispatch_model`` with the experts modules on "cpu";
+- ``tiers_<gpu%>_<cpu precision>``: Tiers at a GPU budget of 100%, 50% and 25% of expert bytes,
+  the rest warm in pinned RAM (INT8 or bf16).
+
+Per arm: decode ms/token and tok/s at batch 1, prefill time, bytes moved per token per source
+tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
+``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
+Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
+(``tiers.trace.TraceModel``). Writes ``bench-<model>.json`` and ``.md`` under ``--out``.
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages, not this folder's files
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+
+H2D_BYTES_PER_S = 55e9  # measured pinned host-to-device ceiling on the H200 test machine
+
+SHAPES = {
+    "mixtral": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, layers=8),
+    "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+                      num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[], layers=12),
+}
+TINY = {
+    "mixtral": dict(hidden_size=128, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, layers=6),
+    "qwen3_moe": dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=256, num_experts=16,
+                      num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      vocab_size=512, decoder_sparse_step=1, mlp_only_layers=[], layers=3),
+}
+TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25, "bf16")]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of ``reps`` calls after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
+    """(generate 1 + tokens) - (generate 1), per token: prefill of the prompt cancels out."""
+    kw = dict(do_sample=False, pad_token_id=0)
+    one = timed(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw), device, reps)
+    full = timed(lambda: model.generate(prompt, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kw), device, reps)
+    return (full - one) / tokens * 1e3
+
+
+def prefill_seconds(model, ids, device, reps: int) -> float:
+    with torch.no_grad():
+        return timed(lambda: model(ids), device, reps)
+
+
+# -- the naive lazy arm: an experts implementation that moves each hit expert with .to() ---------
+
+def lazy_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    final = torch.zeros_like(hidden_states)  # [T, H]
+    with torch.no_grad():
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # [E+1, k, T]
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit[:, 0].tolist():
+        if e == self.num_experts:
+            continue
+        gate_up = self._lazy["gate_up_proj"][e].to(hidden_states.device)  # pageable -> GPU, synchronous
+        down = self._lazy["down_proj"][e].to(hidden_states.device)
+        pos, tok = torch.where(mask[e])
+        h = torch.nn.functional.linear(hidden_states[tok], gate_up)
+        h = self._apply_gate(h)
+        h = torch.nn.functional.linear(h, down) * top_k_weights[tok, pos, None]
+        final.index_add_(0, tok, h.to(final.dtype))
+    return final
+
+
+def build(model_type: str, shape: dict, device: torch.device, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(shape)
+    layers = kw.pop("layers")
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, max_position_embeddings=4096, **kw)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def expert_modules(model):
+    from loader.layout import find_experts_modules
+
+    return find_experts_modules(model)
+
+
+def run(args) -> dict:
+    import tiers
+    from loader.pack import pack
+    from loader.packed import read_manifest
+    from tiers.cache import belady_hits, make_cache, replay
+    from tiers.integration import manager_of
+    from tiers.trace import TraceModel, lookups
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    shapes = TINY if args.tiny else SHAPES
+    shape = dict(shapes[args.model])
+    if args.layers:
+        shape["layers"] = args.layers
+    arms = args.arms.split(",") if args.arms != "all" else ["all_gpu", "lazy", "accelerate"] + [f"tiers_{int(f * 100)}_{p}" for f, p in TIERS_ARMS]
+    if device.type != "cuda" and "accelerate" in arms:
+        arms.remove("accelerate")  # its CPU offload hooks need a separate execution device
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tiers-bench-"))
+    src, packed = work / "hf", work / "packed"
+    reps = args.reps
+    g = torch.Generator().manual_seed(1)
+    result: dict = {"command": "python tools/bench.py " + " ".join(args.argv), "model": args.model, "shape": shape,
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "decode_tokens": args.tokens, "prefill_tokens": args.prefill, "arms": {}}
+    bar = tqdm(total=len(arms) + 2, desc="bench", unit="step")
+
+    model = build(args.model, shape, device)
+    vocab = model.config.vocab_size
+    top_k = model.config.num_experts_per_tok
+    prompt = torch.randint(0, vocab, (1, 16), generator=g).to(device)
+    prefill_ids = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
+    mods = expert_modules(model)
+    expert_bytes = sum(p.numel() * p.element_size() for _, m in mods.values() for n, p in m.named_parameters(recurse=False) if p.dim() >= 3)
+    result["expert_bytes_bf16"] = expert_bytes
+    result["experts"] = sum(m.num_experts for _, m in mods.values())
+
+    def measure(name, m, extra=None, slow=False):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        tokens, r = (args.slow_tokens, 1) if slow else (args.tokens, reps)
+        row = {"decode_ms_per_token": decode_ms_per_token(m, prompt, tokens, device, r), "decode_tokens": tokens}
+        row["decode_tok_s"] = 1e3 / row["decode_ms_per_token"]
+        row["prefill_s"] = prefill_seconds(m, prefill_ids, device, 1 if slow else max(1, reps - 1))
+        if device.type == "cuda":
+            row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        row.update(extra or {})
+        result["arms"][name] = row
+        bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
+        bar.update(1)
+
+    if "all_gpu" in arms:
+        measure("all_gpu", model, {"experts_implementation": model.config._experts_implementation})
+
+    t0 = time.perf_counter()
+    if args.hf_dir:
+        src = Path(args.hf_dir)
+    model.save_pretrained(src)
+    result["save_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    pack(src, packed, precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
+    result["pack_s"] = time.perf_counter() - t0
+    shutil.rmtree(src, ignore_errors=True)
+    bar.update(1)
+
+    # Experts to pageable CPU memory, shared by the lazy and accelerate arms.
+    cpu_experts = {}
+    for layer, (name, m) in mods.items():
+        cpu_experts[name] = {n: p.detach().to("cpu") for n, p in m.named_parameters(recurse=False) if p.dim() >= 3}
+        for n, p in list(m.named_parameters(recurse=False)):
+            if p.dim() >= 3:
+                m._parameters[n] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if "lazy" in arms:
+        if "tiers_lazy_to" not in ALL_EXPERTS_FUNCTIONS:
+            ALL_EXPERTS_FUNCTIONS.register("tiers_lazy_to", lazy_experts_forward)
+        for name, m in mods.values():
+            m._lazy = cpu_experts[name]
+        model.set_experts_implementation("tiers_lazy_to")
+        # bytes moved per token: every hit expert of every layer, in bf16
+        measure("lazy", model, slow=True)
+
+    if "accelerate" in arms:
+        from accelerate import dispatch_model
+
+        for name, m in mods.values():
+            for n, t in cpu_experts[name].items():
+                m._parameters[n] = torch.nn.Parameter(t, requires_grad=False)
+        default_impl = result["arms"].get("all_gpu", {}).get("experts_implementation", "grouped_mm")
+        model.set_experts_implementation(default_impl)
+        device_map = {"": device.index or 0} | {name: "cpu" for name, _ in mods.values()}
+        model = dispatch_model(model, device_map=device_map, main_device=device.index or 0)
+        measure("accelerate", model, slow=True)
+    del model, mods
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    for frac, precision in TIERS_ARMS:
+        name = f"tiers_{int(frac * 100)}_{precision}"
+        if name not in arms:
+            continue
+        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache},
+                         "cpu": {"fraction": 1.0 - frac, "precision": precision}, "nvme": {"precision": precision}}}
+        t0 = time.perf_counter()
+        m = tiers.load(packed, cfg, device=device, progress=False)
+        load_s = time.perf_counter() - t0
+        mgr = manager_of(m)
+        # warm-up outside the counted window, then count one decode run
+        decode_ms = decode_ms_per_token(m, prompt, args.tokens, device, reps)
+        mgr.stats_.reset()
+        mgr.recorded = []
+        m.generate(prompt, max_new_tokens=args.tokens + 1, min_new_tokens=args.tokens + 1, do_sample=False, pad_token_id=0)
+        sync(device)
+        s = tiers.stats(m)
+        trace = mgr.recorded
+        mgr.recorded = None
+        steps = args.tokens + 1
+        moved = {k: v / steps for k, v in s.bytes_moved.items()}
+        lookups_n = sum(s.hits.values())
+        hot = set(mgr.placement.hot)
+        capacity = s.gpu_slots["staging"]
+        policy = lambda slots: make_cache(args.cache, slots)  # noqa: E731
+        replay_hits = replay(trace, capacity, hot, policy)
+        opt_hits = belady_hits(trace, capacity, hot)
+        extra = {
+            "load_s": load_s,
+            "residency": s.residency,
+            "bytes_moved_per_token": moved,
+            "h2d_gbps": s.h2d_gbps,
+            "stall_ms_per_token": s.stall_seconds / steps * 1e3,
+            "gpu_hit_rate": s.hits["gpu"] / lookups_n if lookups_n else 0.0,
+            "cache_hits_vs_belady": [replay_hits, opt_hits],
+            "host_pinned": bool(s.memory["host_pinned"]),
+        }
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        extra["prefill_s"] = prefill_seconds(m, prefill_ids, device, max(1, reps - 1))
+        if device.type == "cuda":
+            extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+        row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, **extra}
+        result["arms"][name] = row
+        bar.set_postfix_str(f"{name}: {decode_ms:.1f} ms/token")
+        bar.update(1)
+        del m, mgr
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # Skewed, sticky routing: what the cache policy gets against Belady on the same trace.
+    manifest = read_manifest(packed)
+    layers = sorted(manifest.layers)
+    n_exp = next(iter(manifest.layers.values())).layout.num_experts
+    tm_args = dict(num_layers=len(layers), num_experts=n_exp, top_k=top_k)
+    replays = {}
+    for label, tm in (("uniform", dict(zipf_s=0.0, reuse_p=0.0)), ("skewed", dict(zipf_s=1.2, reuse_p=0.5))):
+        seq = lookups(TraceModel(**tm_args, **tm, seed=0).sample(256), layers)
+        cap = max(1, int(0.25 * len(layers) * n_exp))
+        row = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq)}
+        for pol in ("lru", "lfu"):
+            row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots)) / len(seq)
+        replays[label] = row
+    result["cache_replay"] = replays
+    bar.update(1)
+    bar.close()
+
+    base = result["arms"].get("all_gpu", {}).get("decode_ms_per_token")
+    for name, row in result["arms"].items():
+        if name.startswith("tiers") and base is not None:
+            moved = sum(row["bytes_moved_per_token"].values())
+            row["bound_ms_per_token"] = base + moved / H2D_BYTES_PER_S * 1e3
+            row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
+            row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def markdown(r: dict) -> str:
+    mib = 2**20
+    lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
+             f"Command: `{r['command']}`", "",
+             f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; prefill: {r['prefill_tokens']} tokens.", "",
+             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | MiB moved/token (cpu, nvme) | H2D GB/s | GPU hit rate | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, a in r["arms"].items():
+        moved = a.get("bytes_moved_per_token")
+        lines.append("| " + " | ".join([
+            name, f"{a['decode_ms_per_token']:.1f}", f"{a['decode_tok_s']:.2f}",
+            f"{a['bound_ms_per_token']:.1f}" if "bound_ms_per_token" in a else "-",
+            f"{a['overhead_over_bytes_bound']:.2f}" if a.get("overhead_over_bytes_bound") is not None else "-",
+            f"{a['prefill_s']:.3f}",
+            f"{moved['cpu'] / mib:.1f}, {moved['nvme'] / mib:.1f}" if moved else "-",
+            f"{a['h2d_gbps']:.1f}" if "h2d_gbps" in a else "-",
+            f"{a['gpu_hit_rate']:.2f}" if "gpu_hit_rate" in a else "-",
+            f"{a['gpu_peak_bytes'] / 2**30:.1f}" if "gpu_peak_bytes" in a else "-",
+        ]) + " |")
+    lines += ["", "Cache policy against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
+              "| trace | lookups | belady | lru | lfu |", "|---|---|---|---|---|"]
+    for label, row in r["cache_replay"].items():
+        lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | {row['lru']:.3f} | {row['lfu']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(prog="tiers-bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(SHAPES), default="mixtral")
+    ap.add_argument("--layers", type=int, help="MoE layers (default: 8 for mixtral, 12 for qwen3_moe)")
+    ap.add_argument("--tokens", type=int, default=32, help="decode tokens per timed run")
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill length")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
+    ap.add_argument("--slow-tokens", type=int, default=4, help="decode tokens for the lazy and accelerate arms (one timed run)")
+    ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
+    ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
+    ap.add_argument("--staging-slots", type=int, default=4)
+    ap.add_argument("--cache", choices=["lru", "lfu"], default="lru")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
+    ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
+    args = ap.parse_args(argv)
+    args.argv = argv
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench-{args.model}{'-tiny' if args.tiny else ''}"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
