@@ -161,6 +161,16 @@ def run(args) -> dict:
     result["expert_bytes_bf16"] = expert_bytes
     result["experts"] = sum(m.num_experts for _, m in mods.values())
 
+    def save_partial():
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"bench-{args.model}.partial.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    def failed(name, e):
+        result["arms"][name] = {"error": f"{type(e).__name__}: {e}"}
+        bar.update(1)
+        save_partial()
+
     def measure(name, m, extra=None, slow=False):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -174,6 +184,7 @@ def run(args) -> dict:
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
         bar.update(1)
+        save_partial()
 
     if "all_gpu" in arms:
         measure("all_gpu", model, {"experts_implementation": model.config._experts_implementation})
@@ -206,8 +217,10 @@ def run(args) -> dict:
         for name, m in mods.values():
             m._lazy = cpu_experts[name]
         model.set_experts_implementation("tiers_lazy_to")
-        # bytes moved per token: every hit expert of every layer, in bf16
-        measure("lazy", model, slow=True)
+        try:
+            measure("lazy", model, slow=True)
+        except Exception as e:  # an arm that fails is reported, the others still run
+            failed("lazy", e)
 
     if "accelerate" in arms:
         from accelerate import dispatch_model
@@ -218,19 +231,17 @@ def run(args) -> dict:
         default_impl = result["arms"].get("all_gpu", {}).get("experts_implementation", "grouped_mm")
         model.set_experts_implementation(default_impl)
         device_map = {"": device.index or 0} | {name: "cpu" for name, _ in mods.values()}
-        model = dispatch_model(model, device_map=device_map, main_device=device.index or 0)
-        measure("accelerate", model, slow=True)
+        try:
+            model = dispatch_model(model, device_map=device_map, main_device=device.index or 0)
+            measure("accelerate", model, slow=True)
+        except Exception as e:
+            failed("accelerate", e)
     del model, mods
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    for frac, precision in TIERS_ARMS:
-        name = f"tiers_{int(frac * 100)}_{precision}"
-        if name not in arms:
-            continue
-        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache},
-                         "cpu": {"fraction": 1.0 - frac, "precision": precision}, "nvme": {"precision": precision}}}
+    def tiers_arm(cfg):
         t0 = time.perf_counter()
         m = tiers.load(packed, cfg, device=device, progress=False)
         load_s = time.perf_counter() - t0
@@ -268,13 +279,28 @@ def run(args) -> dict:
         if device.type == "cuda":
             extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, **extra}
+        mgr.close()
+        return row
+
+    for frac, precision in TIERS_ARMS:
+        name = f"tiers_{int(frac * 100)}_{precision}"
+        if name not in arms:
+            continue
+        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache},
+                         "cpu": {"fraction": 1.0 - frac, "precision": precision}, "nvme": {"precision": precision}}}
+        try:
+            row = tiers_arm(cfg)
+        except Exception as e:
+            failed(name, e)
+            continue
         result["arms"][name] = row
-        bar.set_postfix_str(f"{name}: {decode_ms:.1f} ms/token")
+        bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
         bar.update(1)
-        del m, mgr
+        save_partial()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
 
     # Skewed, sticky routing: what the cache policy gets against Belady on the same trace.
     manifest = read_manifest(packed)
@@ -356,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"bench-{args.model}{'-tiny' if args.tiny else ''}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
+    (out / f"bench-{args.model}.partial.json").unlink(missing_ok=True)
     print(markdown(result))
     return 0
 
