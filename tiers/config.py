@@ -41,6 +41,7 @@ class GpuTier:
     staging_slots: int = 2  # GPU slots for misses, inside the budget
     cache: str = "lru"  # which staging slot a miss takes: lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
+    compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme"})
-    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay"})
+    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision"})
     d = TiersConfig()
@@ -130,7 +131,10 @@ def parse_config(doc: Any) -> TiersConfig:
     decay = g.get("lfu_decay", d.gpu.lfu_decay)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
         raise ValueError(f"tiers.gpu.lfu_decay: expected a number in (0, 1], got {decay!r}")
-    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache, float(decay))
+    compute = g.get("compute", d.gpu.compute)
+    if compute not in ("grouped", "eager"):
+        raise ValueError(f"tiers.gpu.compute: unknown kernels {compute!r}; allowed: ['eager', 'grouped']")
+    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache, float(decay), compute)
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))

@@ -258,6 +258,19 @@ class TierManager:
         """The expert's kernels are queued: record the last-read event; the slot may be reused after it."""
         h.pool.end_read(h.slot, self.streams.current())
 
+    def acquire_layer(self, layer: int, experts: list[int]) -> list[Handle] | None:
+        """Hold all of ``experts`` at once (staging the misses), or None (holding nothing) if the
+        misses outnumber the staging slots free now."""
+        held: list[Handle] = []
+        for e in experts:
+            h = self.try_acquire(ExpertKey(layer, e))
+            if h is None:
+                for g in held:
+                    self.release(g)
+                return None
+            held.append(h)
+        return held
+
     def serve_layer(self, layer: int, experts: list[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Yield ``(expert, weights)`` in the given order, staging ahead into free slots.
 

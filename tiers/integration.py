@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
 from loader.layout import discover_layout, find_experts_modules
 from loader.packed import Manifest, file_crc32, read_manifest
@@ -26,7 +26,8 @@ from tiers.engine import Streams, TierManager
 from tiers.policy import plan_placement
 from tiers.stats import TierStats
 
-IMPLEMENTATION = "tiers"
+IMPLEMENTATION = "tiers"  # eager: the per-expert loop, bit-identical to transformers' eager experts
+GROUPED = "tiers_grouped"  # grouped_mm over the slots, as transformers' default grouped_mm experts
 _MANAGER_ATTR = "_tiers_manager"
 
 
@@ -44,9 +45,7 @@ def tiers_experts_forward(
     top_k_index: torch.Tensor,  # [T, k]
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
-    binding: LayerBinding | None = getattr(self, "_tiers_binding", None)
-    if binding is None:
-        raise RuntimeError(f"{type(self).__name__} has no tier binding: the 'tiers' experts implementation serves models loaded with tiers.load")
+    binding = _binding(self)
     final_hidden_states = torch.zeros_like(hidden_states)  # [T, H]
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
@@ -68,6 +67,86 @@ def tiers_experts_forward(
     return final_hidden_states
 
 
+def _binding(module: torch.nn.Module) -> LayerBinding:
+    binding = getattr(module, "_tiers_binding", None)
+    if binding is None:
+        raise RuntimeError(f"{type(module).__name__} has no tier binding: the tiers experts implementations serve models loaded with tiers.load")
+    return binding
+
+
+class _SlotExperts:
+    """The experts module seen through the slots: ``<tensor>[slot]`` is the expert in that slot.
+
+    transformers' grouped_mm forward runs on it unchanged, with expert ids mapped to slot ids;
+    ids equal to ``num_experts`` (one past the last slot) are sentinels whose rows it drops.
+    """
+
+    def __init__(self, module: torch.nn.Module, slabs: dict[str, torch.Tensor], n_slots: int):
+        for name in ("has_gate", "has_bias", "is_transposed", "is_concatenated", "act_fn"):
+            setattr(self, name, getattr(module, name))
+        self.has_post_expert_norm = getattr(module, "has_post_expert_norm", False)
+        if self.has_post_expert_norm:
+            self.post_expert_norm = module.post_expert_norm
+        self._apply_gate = module._apply_gate  # bound to the real module
+        self.num_experts = n_slots
+        self._is_expert_parallel = False
+        for name, slab in slabs.items():
+            setattr(self, name, slab)
+
+
+def tiers_grouped_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k]
+    top_k_weights: torch.Tensor,  # [T, k]
+) -> torch.Tensor:
+    binding = _binding(self)
+    mgr = binding.manager
+    # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
+    hit = [e for e in torch.unique(top_k_index).tolist() if e < self.num_experts]
+    held = mgr.acquire_layer(binding.layer, hit)
+    chunks = [hit] if held is not None else _chunks(mgr, binding.layer, hit)
+    out = None
+    for i, chunk in enumerate(chunks):
+        if i > 0 or held is None:
+            held = mgr.acquire_layer(binding.layer, chunk)
+            assert held is not None, f"layer {binding.layer}: experts {chunk} do not fit the staging slots"
+        try:
+            for h in held:
+                mgr.wait(h)
+            pool = held[0].pool if held else mgr.pool_of[binding.layer]
+            slot_of = torch.full((self.num_experts + 1,), pool.n_slots, dtype=top_k_index.dtype)  # sentinel
+            slot_of[chunk] = torch.tensor([h.slot for h in held], dtype=top_k_index.dtype)
+            ids = slot_of.to(top_k_index.device, non_blocking=True)[top_k_index]  # [T, k] slot ids
+            proxy = _SlotExperts(self, pool.slabs, pool.n_slots)
+            proxy._is_expert_parallel = len(chunks) > 1  # mask the sentinel rows of other chunks
+            part = grouped_mm_experts_forward(proxy, hidden_states, ids, top_k_weights)  # [T, H]
+        finally:
+            for h in held:
+                mgr.release(h)
+        out = part if out is None else out + part
+    return out if out is not None else torch.zeros_like(hidden_states)
+
+
+def _chunks(mgr, layer: int, experts: list[int]) -> list[list[int]]:
+    """Split a layer's experts so each part fits: hot experts are free, every other one needs a
+    staging slot (an expert cached in a staging slot now may be evicted by the part's own misses)."""
+    from loader.layout import ExpertKey
+
+    pool = mgr.pool_of[layer]
+    room = pool.n_slots - mgr.hot_count[id(pool)]
+    parts, cur, misses = [], [], 0
+    for e in experts:
+        miss = not mgr.table[ExpertKey(layer, e)].pinned
+        if miss and misses == room:
+            parts.append(cur)
+            cur, misses = [], 0
+        cur.append(e)
+        misses += miss
+    parts.append(cur)
+    return parts
+
+
 def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     if transposed:
         out = x @ w  # [n, in] @ [in, out]
@@ -78,6 +157,8 @@ def _project(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transpose
 def _register() -> None:
     if IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, tiers_experts_forward)
+    if GROUPED not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(GROUPED, tiers_grouped_experts_forward)
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -155,7 +236,7 @@ def load(
     for layer, (_, mod) in modules.items():
         mod._tiers_binding = LayerBinding(layer, manager)
     _register()
-    model.set_experts_implementation(IMPLEMENTATION)
+    model.set_experts_implementation(GROUPED if cfg.gpu.compute == "grouped" else IMPLEMENTATION)
     if (manifest.root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(manifest.root)
     setattr(model, _MANAGER_ATTR, manager)

@@ -286,8 +286,9 @@ def run(args) -> dict:
         name = f"tiers_{int(frac * 100)}_{precision}"
         if name not in arms:
             continue
-        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache},
-                         "cpu": {"fraction": 1.0 - frac, "precision": precision}, "nvme": {"precision": precision}}}
+        # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
+        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute},
+                         "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision}}}
         try:
             row = tiers_arm(cfg)
         except Exception as e:
@@ -370,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", type=int, default=4)
     ap.add_argument("--cache", choices=["lru", "lfu"], default="lru")
+    ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
