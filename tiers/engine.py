@@ -139,6 +139,16 @@ class TierManager:
         initial |= {k: Residency(home=Home.NVME) for k in placement.cold}
         self.table = ResidencyTable(initial)
         self._load(progress)
+        # Layers whose every expert is hot need no routing on the host: a fixed expert -> slot map
+        # on the device (sentinel: one past the last slot) lets them run without a sync.
+        self.static_maps: dict[int, torch.Tensor] = {}
+        for L, entry in manifest.layers.items():
+            keys = [ExpertKey(L, e) for e in range(entry.layout.num_experts)]
+            if all(self.table[k].pinned for k in keys):
+                pool = self.pool_of[L]
+                slots = [self.table[k].slot for k in keys] + [pool.n_slots]
+                self.static_maps[L] = torch.tensor(slots, dtype=torch.long, device=device)
+        self._static_hits = torch.zeros((), dtype=torch.long, device=device)  # lookups on static layers, counted on the device
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
@@ -255,8 +265,16 @@ class TierManager:
                 self.stats_.timed("stall", e0, e1)
 
     def release(self, h: Handle) -> None:
-        """The expert's kernels are queued: record the last-read event; the slot may be reused after it."""
-        h.pool.end_read(h.slot, self.streams.current())
+        """The expert's kernels are queued: record the last-read event; the slot may be reused after it.
+        Hot slots are never rewritten, so they need no event."""
+        h.pool.end_read(h.slot, self.streams.current(), record=not self.table[h.key].pinned)
+
+    def count_static(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """Count a static layer's distinct experts as gpu hits, on the device (no sync)."""
+        n = self.manifest.layers[layer].layout.num_experts
+        used = torch.zeros(n + 1, dtype=torch.long, device=top_k_index.device)
+        used.index_fill_(0, top_k_index.reshape(-1), 1)
+        self._static_hits += used[:n].sum()
 
     def acquire_layer(self, layer: int, experts: list[int]) -> list[Handle] | None:
         """Hold all of ``experts`` at once (staging the misses), or None (holding nothing) if the
@@ -303,6 +321,7 @@ class TierManager:
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> TierStats:
         self.stats_.resolve()
+        static = int(self._static_hits.item())
         m, cfg = self.manifest, self.cfg
         residency = {
             "gpu": {"experts": len(self.placement.hot), "bytes": sum(m.layers[k.layer].layout.nbytes() for k in self.placement.hot)},
@@ -323,7 +342,7 @@ class TierManager:
         }
         return TierStats(
             residency=residency,
-            hits=dict(self.stats_.hits),
+            hits=self.stats_.hits | {"gpu": self.stats_.hits["gpu"] + static},
             misses=dict(self.stats_.misses),
             bytes_moved=dict(self.stats_.bytes_moved),
             stage_seconds=self.stats_.stage_seconds,

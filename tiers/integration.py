@@ -102,6 +102,11 @@ def tiers_grouped_experts_forward(
 ) -> torch.Tensor:
     binding = _binding(self)
     mgr = binding.manager
+    static = mgr.static_maps.get(binding.layer)
+    if static is not None:  # every expert of this layer is hot: no sync, no staging, no events
+        pool = mgr.pool_of[binding.layer]
+        mgr.count_static(binding.layer, top_k_index)
+        return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
     # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
     hit = [e for e in torch.unique(top_k_index).tolist() if e < self.num_experts]
     held = mgr.acquire_layer(binding.layer, hit)

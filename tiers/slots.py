@@ -82,9 +82,13 @@ class SlotPool:
         self.ready[slot] = None
         return True
 
-    def end_read(self, slot: int, compute_stream: Any) -> None:
+    def end_read(self, slot: int, compute_stream: Any, *, record: bool = True) -> None:
+        """Give the slot back. ``record=False`` is for slots that are never rewritten (hot ones):
+        no later write needs to wait for their readers."""
         assert self.readers[slot] > 0, f"slot {slot} released more often than held"
         self.readers[slot] -= 1
+        if not record:
+            return
         ev = self._event()
         ev.record(compute_stream)
         self.last_read[slot] = ev

@@ -220,3 +220,21 @@ def test_not_packed_directory_is_a_clear_error(tmp_path, checkpoint_factory):
         tiers.load(checkpoint_factory("mixtral"), device="cpu")
     with pytest.raises(ValueError, match="is not a directory"):
         tiers.load(tmp_path / "nope", device="cpu")
+
+
+def test_all_hot_layers_take_the_static_path(device, checkpoint_factory, packed_factory):
+    """With every expert hot, layers run on a fixed expert->slot map: same logits as grouped_mm, hits counted."""
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model = tiers.load(packed_factory("qwen3_moe"), {"tiers": {"gpu": {"fraction": 1.0}}}, device=device, progress=False)
+    mgr = manager_of(model)
+    assert sorted(mgr.static_maps) == sorted(read_manifest(packed_factory("qwen3_moe")).layers)
+    seen = []
+    for _, mod in find_experts_modules(model).values():
+        mod.register_forward_pre_hook(lambda m, args: seen.append(torch.unique(args[1]).numel()))
+    ids = prompt(device)
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+    s = tiers.stats(model)
+    assert s.hits == {"gpu": sum(seen), "cpu": 0, "nvme": 0}
+    assert s.misses["gpu"] == 0

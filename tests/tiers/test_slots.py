@@ -317,10 +317,14 @@ def build(manifest, staging: int, gpu_frac: float, cpu_frac: float) -> Harness:
             h.ready[(_pid, slot)] = ev
             return ev
 
-        def end_read(slot, compute_stream, _pid=pid, _orig=orig_end_read):
+        def end_read(slot, compute_stream, *, record=True, _pid=pid, _orig=orig_end_read, _pool=pool):
             n = len(order)
-            _orig(slot, compute_stream)
+            _orig(slot, compute_stream, record=record)
             recs = [(i, o) for i, o in enumerate(order[n:], n) if o[0] == "record"]
+            if not record:
+                # only hot slots skip the last-read event: they are never rewritten
+                assert recs == [] and mgr.table[_pool.owner[slot]].pinned
+                return
             assert len(recs) == 1 and recs[0][1][1] is streams.compute, "last-read recorded once, on the compute stream"
             h.releases.setdefault((_pid, slot), []).append((recs[0][1][2], recs[0][0]))
 
