@@ -1,0 +1,44 @@
+"""The benchmark harness on tiny shapes (CPU): structure, bound arithmetic, and a fair lazy baseline."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tools import bench
+
+
+def test_tiny_bench_runs_and_reports(tmp_path):
+    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu",
+                     "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
+    assert set(r["arms"]) == {"all_gpu", "lazy", "tiers_100_bf16", "tiers_25_int8"}
+    assert not (tmp_path / "bench-mixtral.partial.json").exists()
+    base = r["arms"]["all_gpu"]["decode_ms_per_token"]
+    t = r["arms"]["tiers_25_int8"]
+    moved = sum(t["bytes_moved_per_token"].values())
+    assert moved > 0 and t["gpu_hit_rate"] < 1.0
+    assert t["bound_ms_per_token"] == pytest.approx(base + moved / bench.H2D_BYTES_PER_S * 1e3)
+    assert r["arms"]["tiers_100_bf16"]["gpu_hit_rate"] == 1.0
+    replay_hits, optimum = t["cache_hits_vs_belady"]
+    assert replay_hits <= optimum
+    for row in r["cache_replay"].values():
+        assert row["lru"] <= row["belady"] and row["lfu"] <= row["belady"]
+    assert "| tiers_25_int8 |" in (tmp_path / "bench-mixtral-tiny.md").read_text()
+
+
+def test_lazy_arm_computes_what_eager_computes():
+    model = bench.build("mixtral", dict(bench.TINY["mixtral"]), torch.device("cpu"))
+    model.set_experts_implementation("eager")
+    _, mod = next(iter(bench.expert_modules(model).values()))
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, mod.hidden_dim, generator=g).bfloat16()
+    idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g).bfloat16()
+    with torch.no_grad():
+        want = mod(x, idx, w)
+        mod._lazy = {"gate_up_proj": mod.gate_up_proj.detach(), "down_proj": mod.down_proj.detach()}
+        got = bench.lazy_experts_forward(mod, x, idx, w)
+    assert torch.equal(want, got)
