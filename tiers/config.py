@@ -42,6 +42,7 @@ class GpuTier:
     cache: str = "lru"  # which staging slot a miss takes: lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
+    prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme"})
-    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute"})
+    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision"})
     d = TiersConfig()
@@ -134,7 +135,11 @@ def parse_config(doc: Any) -> TiersConfig:
     compute = g.get("compute", d.gpu.compute)
     if compute not in ("grouped", "eager"):
         raise ValueError(f"tiers.gpu.compute: unknown kernels {compute!r}; allowed: ['eager', 'grouped']")
-    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache, float(decay), compute)
+    depth = g.get("prefetch_depth", d.gpu.prefetch_depth)
+    if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 8:
+        raise ValueError(f"tiers.gpu.prefetch_depth: expected an integer in [0, 8], got {depth!r}")
+    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache,
+                  float(decay), compute, depth)
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))

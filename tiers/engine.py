@@ -93,6 +93,8 @@ class TierManager:
         self.copy_stream = self.streams.new_stream()
         self.stats_ = StatsCollector()
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
+        self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
+        self.predicted: dict[int, set[int]] = {}  # layer -> experts predicted for its next call
 
         # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
         self.pool_of: dict[int, SlotPool] = {}
@@ -191,10 +193,21 @@ class TierManager:
             lru.access(key)
         if r.slot is not None:
             self.stats_.lookup("gpu")
+            if self.prefetched.pop(key, None) is not None:
+                self.stats_.prefetch_used += 1
             if not r.pinned:
                 lru.touch(r.slot)
             pool.hold(r.slot)
             return Handle(key, pool, r.slot)
+        slot = self._claim_and_stage(key, r, pool, lru)
+        if slot is None:
+            return None
+        self.stats_.lookup(r.home.value)
+        pool.hold(slot)
+        return Handle(key, pool, slot)
+
+    def _claim_and_stage(self, key: ExpertKey, r: Residency, pool: SlotPool, lru: LruSlots) -> int | None:
+        """Take the policy's victim among unheld staging slots and stage ``key`` into it."""
         slot = lru.victim(pool.readers)
         if slot is None:
             return None
@@ -204,11 +217,49 @@ class TierManager:
         old = pool.owner[slot]
         if old is not None:
             self.table.apply(old, Op.EVICT)
+            wasted = self.prefetched.pop(old, None)
+            if wasted is not None:
+                self.stats_.prefetch_wasted_bytes += wasted
         self._stage(key, pool, slot, precision, source, src)
         self.table.apply(key, Op.STAGE, slot)
         lru.assign(slot, key)
-        pool.hold(slot)
-        return Handle(key, pool, slot)
+        return slot
+
+    def prefetch(self, layer: int, experts: list[int]) -> int:
+        """Stage predicted experts of a later layer into staging slots nobody holds, without holding
+        them: a later lookup finds them resident (or still loading, and waits on their event).
+        Stages at most as many as there are unheld staging slots, so it never evicts its own work."""
+        pool = self.pool_of[layer]
+        lru = self.lru[id(pool)]
+        free = sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
+        issued = 0
+        for e in experts:
+            if issued >= free:
+                break
+            key = ExpertKey(layer, e)
+            r = self.table[key]
+            if r.slot is not None:
+                continue
+            if self._claim_and_stage(key, r, pool, lru) is None:
+                break
+            self.prefetched[key] = src_bytes = self.manifest.ref(key, self._precision_of(r)).nbytes
+            self.stats_.prefetch_issued += 1
+            self.stats_.prefetch_bytes += src_bytes
+            issued += 1
+        return issued
+
+    def note_prediction(self, layer: int, experts: list[int]) -> None:
+        self.predicted[layer] = set(experts)
+
+    def note_used(self, layer: int, experts: list[int]) -> None:
+        """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""
+        predicted = self.predicted.pop(layer, None)
+        if predicted is not None:
+            self.stats_.prefetch_correct += len(predicted.intersection(experts))
+            self.stats_.prefetch_used_total += len(experts)
+
+    def _precision_of(self, r: Residency) -> str:
+        return self.cfg.cpu.precision if r.home is Home.CPU else self.cfg.nvme.precision
 
     def _fetch(self, key: ExpertKey, r: Residency, pool: SlotPool, slot: int) -> tuple[str, str, torch.Tensor]:
         """The pinned host bytes of ``key``'s blob: a view into the pool, or a disk read into the slot's ring buffer."""
@@ -243,7 +294,6 @@ class TierManager:
         ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
         if source == "nvme":
             self.ring_busy[(id(pool), slot)] = ready
-        self.stats_.lookup(source)
         self.stats_.bytes_moved[source] += src.numel()
         if self.timing:
             self.stats_.timed("stage", start, ready)
@@ -348,6 +398,7 @@ class TierManager:
             stage_seconds=self.stats_.stage_seconds,
             stall_seconds=self.stats_.stall_seconds,
             gpu_slots={"hot": hot, "staging": staging, "cached": cached},
+            prefetch=self.stats_.prefetch_report(),
             memory=memory,
             device=str(self.device),
         )

@@ -33,10 +33,47 @@ _MANAGER_ATTR = "_tiers_manager"
 
 @dataclass(frozen=True)
 class LayerBinding:
-    """What an experts module needs to find its weights: its layer index and the manager."""
+    """What an experts module needs: its layer index, the manager, and the routers of the next
+    ``prefetch_depth`` MoE layers (layer index, router weight [E, H]) for speculative routing."""
 
     layer: int
     manager: TierManager
+    lookahead: tuple[tuple[int, torch.Tensor], ...] = ()
+
+
+WHOLE_LAYER = 0.9  # predicted share of a layer's experts above which its whole layer is staged, in order
+
+
+def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> list[int]:
+    """The experts this call uses, ascending, and (one sync for both) the predicted experts of the
+    next layers, which are recorded and staged ahead into free staging slots."""
+    n = self.num_experts
+    flags = torch.zeros(1 + len(binding.lookahead), n + 1, dtype=torch.bool, device=top_k_index.device)  # [1+d, E+1]
+    flags[0].index_fill_(0, top_k_index.reshape(-1), True)
+    k = top_k_index.shape[-1]
+    for i, (_, weight) in enumerate(binding.lookahead):
+        logits = hidden_states.to(weight.dtype) @ weight.t()  # [T, E'] the next layer's router on this layer's input
+        flags[i + 1, : weight.shape[0]].index_fill_(0, torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1), True)
+    # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
+    rows = flags[:, :n].tolist()
+    hit = [e for e, used in enumerate(rows[0]) if used]
+    mgr = binding.manager
+    mgr.note_used(binding.layer, hit)
+    for (layer, weight), row in zip(binding.lookahead, rows[1:]):
+        predicted = [e for e, used in enumerate(row[: weight.shape[0]]) if used]
+        if len(predicted) >= WHOLE_LAYER * weight.shape[0]:
+            predicted = list(range(weight.shape[0]))
+        mgr.note_prediction(layer, predicted)
+    return hit
+
+
+def _prefetch(binding: LayerBinding) -> None:
+    """Stage what was predicted for the next layers; called while this layer's experts are held."""
+    mgr = binding.manager
+    for layer, _ in binding.lookahead:
+        predicted = mgr.predicted.get(layer)
+        if predicted and layer not in mgr.static_maps:
+            mgr.prefetch(layer, sorted(predicted))
 
 
 def tiers_experts_forward(
@@ -50,11 +87,13 @@ def tiers_experts_forward(
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
         expert_mask = expert_mask.permute(2, 1, 0)  # [E+1, k, T]
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()  # [n_hit, 1]
-    # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
-    hit = [e for e in expert_hit[:, 0].tolist() if e != self.num_experts]
+        hit = _route(self, binding, hidden_states, top_k_index)
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
+    prefetched = not binding.lookahead
     for expert_idx, w in binding.manager.serve_layer(binding.layer, hit):
+        if not prefetched:  # the first expert is held and its copies queued: stage the next layers behind them
+            _prefetch(binding)
+            prefetched = True
         top_k_pos, token_idx = torch.where(expert_mask[expert_idx])  # [n], [n]
         current_state = hidden_states[token_idx]  # [n, H]
         h = _project(current_state, w[up_name], w.get(up_name + "_bias"), self.is_transposed)  # [n, 2I] or [n, I]
@@ -107,9 +146,11 @@ def tiers_grouped_experts_forward(
         pool = mgr.pool_of[binding.layer]
         mgr.count_static(binding.layer, top_k_index)
         return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
-    # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
-    hit = [e for e in torch.unique(top_k_index).tolist() if e < self.num_experts]
+    with torch.no_grad():
+        hit = _route(self, binding, hidden_states, top_k_index)
     held = mgr.acquire_layer(binding.layer, hit)
+    if held is not None:
+        _prefetch(binding)
     chunks = [hit] if held is not None else _chunks(mgr, binding.layer, hit)
     out = None
     for i, chunk in enumerate(chunks):
@@ -238,14 +279,29 @@ def load(
         expert_params |= {f"{name}.{t.name}" for t in entry.layout.tensors}
     _load_dense(model, manifest, expert_params, dev)
     manager = TierManager(manifest, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
-    for layer, (_, mod) in modules.items():
-        mod._tiers_binding = LayerBinding(layer, manager)
+    order = sorted(modules)
+    routers = {layer: _router_weight(model, name, mod) for layer, (name, mod) in modules.items()} if cfg.gpu.prefetch_depth else {}
+    for i, (layer, (_, mod)) in enumerate(sorted(modules.items())):
+        ahead = tuple((L, routers[L]) for L in order[i + 1 : i + 1 + cfg.gpu.prefetch_depth] if routers.get(L) is not None)
+        mod._tiers_binding = LayerBinding(layer, manager, ahead)
     _register()
     model.set_experts_implementation(GROUPED if cfg.gpu.compute == "grouped" else IMPLEMENTATION)
     if (manifest.root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(manifest.root)
     setattr(model, _MANAGER_ATTR, manager)
     return model.eval()
+
+
+def _router_weight(model: torch.nn.Module, experts_name: str, experts: torch.nn.Module) -> torch.Tensor | None:
+    """The router of an MoE block: a weight of shape [num_experts, hidden] beside the experts module."""
+    parent = model.get_submodule(experts_name.rpartition(".")[0])
+    hidden = experts.hidden_dim if hasattr(experts, "hidden_dim") else None
+    for name, p in parent.named_parameters():
+        if name.startswith("experts.") or p.dim() != 2:
+            continue
+        if p.shape[0] == experts.num_experts and (hidden is None or p.shape[1] == hidden) and p.device.type != "meta":
+            return p.detach()
+    return None
 
 
 def manager_of(model: torch.nn.Module) -> TierManager:

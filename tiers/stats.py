@@ -26,6 +26,7 @@ class TierStats:
     gpu_slots: dict[str, int]
     memory: dict[str, int]
     device: str
+    prefetch: dict[str, float] = field(default_factory=dict)
 
     @property
     def h2d_gbps(self) -> float:
@@ -44,6 +45,7 @@ class TierStats:
             "h2d_gbps": self.h2d_gbps,
             "gpu_slots": dict(self.gpu_slots),
             "memory": dict(self.memory),
+            "prefetch": dict(self.prefetch),
         }
 
     def __str__(self) -> str:
@@ -71,6 +73,12 @@ class TierStats:
             f"of {self.memory['gpu_budget'] / mib:.1f} MiB budget; host pool {self.memory['host_bytes'] / mib:.1f} MiB "
             f"({'pinned' if self.memory['host_pinned'] else 'not pinned: no CUDA'})"
         )
+        if self.prefetch.get("issued"):
+            p = self.prefetch
+            lines.append(
+                f"prefetch: {p['issued']} staged ahead, {p['used']} used, accuracy {p['accuracy']:.1%}, "
+                f"{p['wasted_bytes'] / mib:.1f} MiB wasted"
+            )
         return "\n".join(lines)
 
 
@@ -83,6 +91,12 @@ class StatsCollector:
     bytes_moved: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
     stage_seconds: float = 0.0
     stall_seconds: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_bytes: int = 0
+    prefetch_wasted_bytes: int = 0
+    prefetch_correct: int = 0
+    prefetch_used_total: int = 0
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def lookup(self, served_by: str) -> None:
@@ -108,8 +122,20 @@ class StatsCollector:
                 self.stall_seconds += seconds
         self._pending.clear()
 
+    def prefetch_report(self) -> dict[str, float]:
+        """accuracy = predicted-and-used / used, over layer calls that had a prediction."""
+        return {
+            "issued": self.prefetch_issued,
+            "used": self.prefetch_used,
+            "bytes": self.prefetch_bytes,
+            "wasted_bytes": self.prefetch_wasted_bytes,
+            "accuracy": self.prefetch_correct / self.prefetch_used_total if self.prefetch_used_total else 0.0,
+        }
+
     def reset(self) -> None:
         self.resolve()
+        self.prefetch_issued = self.prefetch_used = self.prefetch_bytes = 0
+        self.prefetch_wasted_bytes = self.prefetch_correct = self.prefetch_used_total = 0
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = dict.fromkeys(TIERS, 0)
         self.bytes_moved = {"cpu": 0, "nvme": 0}

@@ -271,6 +271,7 @@ def run(args) -> dict:
             "stall_ms_per_token": s.stall_seconds / steps * 1e3,
             "gpu_hit_rate": s.hits["gpu"] / lookups_n if lookups_n else 0.0,
             "cache_hits_vs_belady": [replay_hits, opt_hits],
+            "prefetch": s.prefetch,
             "host_pinned": bool(s.memory["host_pinned"]),
         }
         if device.type == "cuda":
@@ -287,7 +288,8 @@ def run(args) -> dict:
         if name not in arms:
             continue
         # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
-        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute},
+        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute,
+                                 "prefetch_depth": args.prefetch_depth},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision}}}
         try:
             row = tiers_arm(cfg)
@@ -337,8 +339,8 @@ def markdown(r: dict) -> str:
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
              f"Command: `{r['command']}`", "",
              f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; prefill: {r['prefill_tokens']} tokens.", "",
-             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | MiB moved/token (cpu, nvme) | H2D GB/s | GPU hit rate | peak GPU GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | MiB moved/token (cpu, nvme) | H2D GB/s | GPU hit rate | prefetch accuracy | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in r["arms"].items():
         moved = a.get("bytes_moved_per_token")
         lines.append("| " + " | ".join([
@@ -349,6 +351,7 @@ def markdown(r: dict) -> str:
             f"{moved['cpu'] / mib:.1f}, {moved['nvme'] / mib:.1f}" if moved else "-",
             f"{a['h2d_gbps']:.1f}" if "h2d_gbps" in a else "-",
             f"{a['gpu_hit_rate']:.2f}" if "gpu_hit_rate" in a else "-",
+            f"{a['prefetch']['accuracy']:.2f}" if a.get("prefetch", {}).get("issued") else "-",
             f"{a['gpu_peak_bytes'] / 2**30:.1f}" if "gpu_peak_bytes" in a else "-",
         ]) + " |")
     lines += ["", "Cache policy against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
@@ -372,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staging-slots", type=int, default=4)
     ap.add_argument("--cache", choices=["lru", "lfu"], default="lru")
     ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
+    ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")

@@ -164,7 +164,7 @@ def test_bad_precision_names_key_and_allowed(key, value):
 _ALLOWED = {
     "config": {"tiers"},
     "tiers": {"gpu", "cpu", "nvme"},
-    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute"},
+    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"},
     "tiers.cpu": {"fraction", "budget", "precision"},
     "tiers.nvme": {"precision"},
 }
@@ -229,7 +229,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.fraction", 1.5), "tiers.gpu.fraction: must be in [0, 1], got 1.5"),
         (at("tiers.cpu.fraction", "50%"), "tiers.cpu.fraction: expected a number in [0, 1], got '50%'"),
         (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
-        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'staging_slots']"),
+        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
         (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme']"),
         (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision']"),
@@ -251,7 +251,7 @@ def test_fractions_summing_above_one_rejected(g, c):
             {"tiers": {"gpu": {"fraction": 0.75}, "cpu": {"fraction": 0.5}}},
             "tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got 0.75 + 0.5 = 1.25",
         ),
-        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'staging_slots'], got float 0.25"),
+        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'staging_slots'], got float 0.25"),
         (["tiers"], "config: expected a mapping with keys ['tiers'], got list ['tiers']"),
     ],
 )
@@ -493,3 +493,9 @@ def test_cache_policy_parses():
 def test_bad_compute_names_key(bad):
     with pytest.raises(ValueError, match=re.escape("tiers.gpu.compute: unknown kernels")):
         parse_config({"tiers": {"gpu": {"compute": bad}}})
+
+
+@pytest.mark.parametrize("bad", [-1, 9, 1.5, "1", True])
+def test_bad_prefetch_depth_names_key(bad):
+    with pytest.raises(ValueError, match=re.escape("tiers.gpu.prefetch_depth: expected an integer in [0, 8]")):
+        parse_config({"tiers": {"gpu": {"prefetch_depth": bad}}})
