@@ -54,6 +54,7 @@ class CpuTier:
 @dataclass(frozen=True)
 class NvmeTier:
     precision: str = "int8"
+    reader_threads: int = 4  # threads that read prefetched cold experts; 0: read on the calling thread
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def parse_config(doc: Any) -> TiersConfig:
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme"})
     g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
-    n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision"})
+    n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads"})
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
@@ -144,7 +145,10 @@ def parse_config(doc: Any) -> TiersConfig:
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))
     cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision))
-    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision))
+    readers = n.get("reader_threads", d.nvme.reader_threads)
+    if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers <= 64:
+        raise ValueError(f"tiers.nvme.reader_threads: expected an integer in [0, 64], got {readers!r}")
+    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision), readers)
     if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
         raise ValueError(
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "

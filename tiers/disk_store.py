@@ -9,6 +9,7 @@ the file and the expert, never returns wrong weights.
 from __future__ import annotations
 
 import os
+import threading
 import zlib
 from pathlib import Path
 
@@ -30,6 +31,7 @@ class DiskStore:
         self.verify = verify
         self._verified: set[tuple[ExpertKey, str]] = set()
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()  # reads may come from reader threads
         needed: dict[str, tuple[int, ExpertKey]] = {}  # file -> (required size, an expert in it)
         for key in manifest.keys:
             for p in precisions:
@@ -48,11 +50,12 @@ class DiskStore:
                 )
 
     def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            fd = os.open(self.manifest.root / rel, os.O_RDONLY)
-            self._fds[rel] = fd
-        return fd
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = os.open(self.manifest.root / rel, os.O_RDONLY)
+                self._fds[rel] = fd
+            return fd
 
     def read(self, key: ExpertKey, precision: str, out: torch.Tensor) -> BlobRef:
         """Read one blob into the uint8 CPU tensor ``out`` (at least ``nbytes`` long)."""
@@ -81,10 +84,12 @@ class DiskStore:
                     f"checksum mismatch in {str(path)!r} for {key} ({precision}) at offset {ref.offset}: "
                     f"crc32 {crc:#010x}, manifest says {ref.crc32:#010x}; the file is corrupt, re-pack it"
                 )
-            self._verified.add(tag)
+            with self._lock:
+                self._verified.add(tag)
         return ref
 
     def close(self) -> None:
-        for fd in self._fds.values():
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
             os.close(fd)
-        self._fds.clear()

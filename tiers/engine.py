@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import quant
 from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
-from tiers.disk_store import DiskStore
+from tiers.disk_store import DiskStore, IntegrityError
 from tiers.host_pool import HostPool, assert_pinned, copy_h2d_async
 from tiers.cache import LruSlots, make_cache
 from tiers.policy import Placement
@@ -94,6 +95,12 @@ class TierManager:
         self.stats_ = StatsCollector()
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
         self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
+        # Prefetched cold experts are read on reader threads; their slot is held until the read lands.
+        self.reader_threads = (
+            ThreadPoolExecutor(cfg.nvme.reader_threads, thread_name_prefix="tiers-read")
+            if placement.cold and cfg.nvme.reader_threads else None
+        )
+        self.pending: dict[tuple[int, int], tuple[Future, ExpertKey, str, torch.Tensor, SlotPool]] = {}
         self.predicted: dict[int, set[int]] = {}  # layer -> experts predicted for its next call
 
         # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
@@ -191,6 +198,9 @@ class TierManager:
             self.recorded.append(key)
         if not r.pinned:
             lru.access(key)
+        if r.slot is not None and (id(pool), r.slot) in self.pending:
+            self._complete((id(pool), r.slot))  # its disk read is in flight: land it first
+            r = self.table[key]
         if r.slot is not None:
             self.stats_.lookup("gpu")
             if self.prefetched.pop(key, None) is not None:
@@ -207,10 +217,15 @@ class TierManager:
         return Handle(key, pool, slot)
 
     def _claim_and_stage(self, key: ExpertKey, r: Residency, pool: SlotPool, lru: LruSlots) -> int | None:
-        """Take the policy's victim among unheld staging slots and stage ``key`` into it."""
+        """Take the policy's victim among unheld staging slots and stage ``key`` into it. A demand
+        miss that finds every slot held waits for this pool's read-aheads to land first."""
         slot = lru.victim(pool.readers)
-        if slot is None:
-            return None
+        while slot is None:
+            mine = [k for k in self.pending if k[0] == id(pool)]
+            if not mine:
+                return None
+            self._complete(mine[0])
+            slot = lru.victim(pool.readers)
         # Everything that can fail (a disk read, a checksum) happens before any state changes, so
         # an IntegrityError leaves the slot, its owner and the residency table as they were.
         precision, source, src = self._fetch(key, r, pool, slot)
@@ -240,13 +255,69 @@ class TierManager:
             r = self.table[key]
             if r.slot is not None:
                 continue
-            if self._claim_and_stage(key, r, pool, lru) is None:
+            if r.home is Home.NVME and self.reader_threads is not None:
+                if not self._read_ahead(key, pool, lru):
+                    break
+            elif self._claim_and_stage(key, r, pool, lru) is None:
                 break
             self.prefetched[key] = src_bytes = self.manifest.ref(key, self._precision_of(r)).nbytes
             self.stats_.prefetch_issued += 1
             self.stats_.prefetch_bytes += src_bytes
             issued += 1
         return issued
+
+    def _read_ahead(self, key: ExpertKey, pool: SlotPool, lru: LruSlots) -> bool:
+        """Claim a slot for a cold ``key`` and read its blob on a reader thread; the copy up is
+        queued when the read lands (``pump`` or the next lookup of ``key``)."""
+        slot = lru.victim(pool.readers)
+        if slot is None:
+            return False
+        ring_key = (id(pool), slot)
+        busy = self.ring_busy.pop(ring_key, None)
+        if busy is not None:
+            busy.synchronize()  # an earlier H2D may still read this ring buffer
+        precision = self.cfg.nvme.precision
+        src = self.ring[ring_key][: self.manifest.ref(key, precision).nbytes]
+        old = pool.owner[slot]
+        if old is not None:
+            self.table.apply(old, Op.EVICT)
+            wasted = self.prefetched.pop(old, None)
+            if wasted is not None:
+                self.stats_.prefetch_wasted_bytes += wasted
+        pool.owner[slot] = key
+        self.table.apply(key, Op.STAGE, slot)
+        lru.assign(slot, key)
+        pool.hold(slot)  # the reader thread owns the ring buffer; nobody may take the slot meanwhile
+        self.pending[ring_key] = (self.reader_threads.submit(self.disk.read, key, precision, src), key, precision, src, pool)
+        self.stats_.async_reads += 1
+        return True
+
+    def _complete(self, ring_key: tuple[int, int]) -> None:
+        """Land one read-ahead: queue its copy up, or undo it if the read failed (a later demand
+        read of the expert raises the error where it is needed)."""
+        future, key, precision, src, pool = self.pending.pop(ring_key)
+        slot = ring_key[1]
+        try:
+            future.result()
+        except IntegrityError:
+            pool.end_read(slot, None, record=False)
+            self.table.apply(key, Op.EVICT)
+            pool.owner[slot] = None
+            self.prefetched.pop(key, None)
+            self.stats_.async_read_errors += 1
+            return
+        pool.end_read(slot, None, record=False)
+        self._stage(key, pool, slot, precision, "nvme", src)
+
+    def drain(self) -> None:
+        """Land every read-ahead, waiting for those still in flight."""
+        for ring_key in list(self.pending):
+            self._complete(ring_key)
+
+    def pump(self) -> None:
+        """Queue the copies of every read-ahead that has landed; never blocks."""
+        for ring_key in [k for k, v in self.pending.items() if v[0].done()]:
+            self._complete(ring_key)
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
         self.predicted[layer] = set(experts)
@@ -329,6 +400,7 @@ class TierManager:
     def acquire_layer(self, layer: int, experts: list[int]) -> list[Handle] | None:
         """Hold all of ``experts`` at once (staging the misses), or None (holding nothing) if the
         misses outnumber the staging slots free now."""
+        self.pump()
         held: list[Handle] = []
         for e in experts:
             h = self.try_acquire(ExpertKey(layer, e))
@@ -345,6 +417,7 @@ class TierManager:
         While the caller computes one expert, the copies of the next misses (up to the number of
         staging slots) are already queued on the copy stream.
         """
+        self.pump()
         pending = deque(experts)
         ready: deque[tuple[int, Handle]] = deque()
         current: Handle | None = None
@@ -404,6 +477,9 @@ class TierManager:
         )
 
     def close(self) -> None:
+        if self.reader_threads is not None:
+            self.reader_threads.shutdown(wait=True)
+            self.drain()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.host.close()

@@ -83,8 +83,8 @@ class SlotPool:
         return True
 
     def end_read(self, slot: int, compute_stream: Any, *, record: bool = True) -> None:
-        """Give the slot back. ``record=False`` is for slots that are never rewritten (hot ones):
-        no later write needs to wait for their readers."""
+        """Give the slot back. ``record=False`` is for holds that queued no kernel reading the slot:
+        hot slots (never rewritten) and a read-ahead's hold while its disk read is in flight."""
         assert self.readers[slot] > 0, f"slot {slot} released more often than held"
         self.readers[slot] -= 1
         if not record:

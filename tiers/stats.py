@@ -97,6 +97,8 @@ class StatsCollector:
     prefetch_wasted_bytes: int = 0
     prefetch_correct: int = 0
     prefetch_used_total: int = 0
+    async_reads: int = 0  # cold blobs read on reader threads
+    async_read_errors: int = 0  # read-aheads that failed (the demand read raises)
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def lookup(self, served_by: str) -> None:
@@ -130,12 +132,15 @@ class StatsCollector:
             "bytes": self.prefetch_bytes,
             "wasted_bytes": self.prefetch_wasted_bytes,
             "accuracy": self.prefetch_correct / self.prefetch_used_total if self.prefetch_used_total else 0.0,
+            "async_reads": self.async_reads,
+            "async_read_errors": self.async_read_errors,
         }
 
     def reset(self) -> None:
         self.resolve()
         self.prefetch_issued = self.prefetch_used = self.prefetch_bytes = 0
         self.prefetch_wasted_bytes = self.prefetch_correct = self.prefetch_used_total = 0
+        self.async_reads = self.async_read_errors = 0
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = dict.fromkeys(TIERS, 0)
         self.bytes_moved = {"cpu": 0, "nvme": 0}

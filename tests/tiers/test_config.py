@@ -166,7 +166,7 @@ _ALLOWED = {
     "tiers": {"gpu", "cpu", "nvme"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"},
     "tiers.cpu": {"fraction", "budget", "precision"},
-    "tiers.nvme": {"precision"},
+    "tiers.nvme": {"precision", "reader_threads"},
 }
 
 
@@ -232,7 +232,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
         (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme']"),
-        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision']"),
+        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision', 'reader_threads']"),
         (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 0"),
         (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 2.0"),
         (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8']"),
@@ -499,3 +499,9 @@ def test_bad_compute_names_key(bad):
 def test_bad_prefetch_depth_names_key(bad):
     with pytest.raises(ValueError, match=re.escape("tiers.gpu.prefetch_depth: expected an integer in [0, 8]")):
         parse_config({"tiers": {"gpu": {"prefetch_depth": bad}}})
+
+
+@pytest.mark.parametrize("bad", [-1, 65, 2.0, "4", False])
+def test_bad_reader_threads_names_key(bad):
+    with pytest.raises(ValueError, match=re.escape("tiers.nvme.reader_threads: expected an integer in [0, 64]")):
+        parse_config({"tiers": {"nvme": {"reader_threads": bad}}})

@@ -112,7 +112,77 @@ def test_prefetch_interleaved_with_layer_calls_never_corrupts_held_experts(packe
             assert all(torch.equal(h.tensors[n], want[n]) for n in want), f"{h.key} overwritten while held"
         for h in held:
             mgr.release(h)
+    mgr.drain()  # read-aheads hold their slot until they land
     assert all(r == 0 for p in mgr.pools for r in p.readers)
     for k, r in mgr.table.items():
         if r.slot is not None:
             assert mgr.pool_of[k.layer].owner[r.slot] == k
+
+
+def _cold_manager(packed, readers=2):
+    cfg = load_config({"tiers": {"gpu": {"fraction": 0.5, "staging_slots": 4}, "cpu": {"fraction": 0.0},
+                                 "nvme": {"precision": "bf16", "reader_threads": readers}}})
+    m = read_manifest(packed)
+    return TierManager(m, cfg, plan_placement(cfg, m), device=torch.device("cpu"), progress=False)
+
+
+def test_prefetched_cold_reads_run_on_reader_threads(packed_factory, monkeypatch):
+    import threading
+
+    mgr = _cold_manager(packed_factory("mixtral"))
+    threads = []
+    real = mgr.disk.read
+
+    def spy(key, precision, out):
+        threads.append(threading.current_thread().name)
+        return real(key, precision, out)
+
+    monkeypatch.setattr(mgr.disk, "read", spy)
+    cold = [k for k in mgr.placement.cold if k.layer == 1][:2]
+    assert mgr.prefetch(1, [k.expert for k in cold]) == 2
+    mgr.drain()
+    assert len(threads) == 2 and all(t.startswith("tiers-read") for t in threads)
+    h = mgr.try_acquire(cold[0])
+    mgr.wait(h)
+    truth = DiskStore(mgr.manifest, ["bf16"])
+    blob = mgr.manifest.blob(cold[0], "bf16")
+    buf = torch.empty(blob.stride, dtype=torch.uint8)
+    truth.read(cold[0], "bf16", buf)
+    want = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in blob.shapes}
+    blob.dequantize_into(buf, want)
+    assert all(torch.equal(h.tensors[n], want[n]) for n in want)
+    mgr.release(h)
+    s = mgr.stats()
+    assert s.prefetch["async_reads"] == 2 and s.hits["gpu"] == 1
+    # a demand miss reads on the calling thread
+    threads.clear()
+    other = [k for k in mgr.placement.cold if k.layer == 2][0]
+    mgr.release(mgr.try_acquire(other))
+    assert threads == [threading.current_thread().name]
+
+
+def test_failed_read_ahead_surfaces_at_the_demand_read(packed_factory, tmp_path):
+    import shutil
+
+    packed = tmp_path / "p"
+    shutil.copytree(packed_factory("mixtral"), packed)
+    mgr = _cold_manager(packed)
+    key = [k for k in mgr.placement.cold if k.layer == 1][0]
+    ref = mgr.manifest.ref(key, "bf16")
+    path = packed / ref.file
+    data = bytearray(path.read_bytes())
+    data[ref.offset + 100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert mgr.prefetch(1, [key.expert]) == 1
+    mgr.drain()
+    assert mgr.stats().prefetch["async_read_errors"] == 1
+    assert mgr.table[key].slot is None and all(r == 0 for p in mgr.pools for r in p.readers)
+    with pytest.raises(tiers.IntegrityError, match=f"layer {key.layer} expert {key.expert}"):
+        mgr.try_acquire(key)
+
+
+def test_zero_reader_threads_reads_synchronously(packed_factory):
+    mgr = _cold_manager(packed_factory("mixtral"), readers=0)
+    cold = [k for k in mgr.placement.cold if k.layer == 0][:1]
+    assert mgr.prefetch(0, [cold[0].expert]) == 1
+    assert not mgr.pending and mgr.stats().prefetch["async_reads"] == 0
