@@ -229,16 +229,27 @@ class TierManager:
         # Everything that can fail (a disk read, a checksum) happens before any state changes, so
         # an IntegrityError leaves the slot, its owner and the residency table as they were.
         precision, source, src = self._fetch(key, r, pool, slot)
+        self._evict_owner(pool, slot)
+        self._stage(key, pool, slot, precision, source, src)
+        self.table.apply(key, Op.STAGE, slot)
+        lru.assign(slot, key)
+        return slot
+
+    def _evict_owner(self, pool: SlotPool, slot: int) -> None:
+        """The slot's current expert leaves the GPU (a prefetch never used counts as waste)."""
         old = pool.owner[slot]
         if old is not None:
             self.table.apply(old, Op.EVICT)
             wasted = self.prefetched.pop(old, None)
             if wasted is not None:
                 self.stats_.prefetch_wasted_bytes += wasted
-        self._stage(key, pool, slot, precision, source, src)
-        self.table.apply(key, Op.STAGE, slot)
-        lru.assign(slot, key)
-        return slot
+
+    def _ring(self, pool: SlotPool, slot: int, nbytes: int) -> torch.Tensor:
+        """The slot's pinned ring buffer, once no earlier copy up reads it any more."""
+        busy = self.ring_busy.pop((id(pool), slot), None)
+        if busy is not None:
+            busy.synchronize()  # the host must not overwrite pinned bytes an earlier H2D may still read
+        return self.ring[(id(pool), slot)][:nbytes]
 
     def prefetch(self, layer: int, experts: list[int]) -> int:
         """Stage predicted experts of a later layer into staging slots nobody holds, without holding
@@ -272,23 +283,14 @@ class TierManager:
         slot = lru.victim(pool.readers)
         if slot is None:
             return False
-        ring_key = (id(pool), slot)
-        busy = self.ring_busy.pop(ring_key, None)
-        if busy is not None:
-            busy.synchronize()  # an earlier H2D may still read this ring buffer
         precision = self.cfg.nvme.precision
-        src = self.ring[ring_key][: self.manifest.ref(key, precision).nbytes]
-        old = pool.owner[slot]
-        if old is not None:
-            self.table.apply(old, Op.EVICT)
-            wasted = self.prefetched.pop(old, None)
-            if wasted is not None:
-                self.stats_.prefetch_wasted_bytes += wasted
+        src = self._ring(pool, slot, self.manifest.ref(key, precision).nbytes)
+        self._evict_owner(pool, slot)
         pool.owner[slot] = key
         self.table.apply(key, Op.STAGE, slot)
         lru.assign(slot, key)
         pool.hold(slot)  # the reader thread owns the ring buffer; nobody may take the slot meanwhile
-        self.pending[ring_key] = (self.reader_threads.submit(self.disk.read, key, precision, src), key, precision, src, pool)
+        self.pending[(id(pool), slot)] = (self.reader_threads.submit(self.disk.read, key, precision, src), key, precision, src, pool)
         self.stats_.async_reads += 1
         return True
 
@@ -338,11 +340,7 @@ class TierManager:
             precision = self.cfg.cpu.precision
             return precision, "cpu", self.host.view(r.host_offset, self.manifest.ref(key, precision).nbytes)
         precision = self.cfg.nvme.precision
-        ring_key = (id(pool), slot)
-        busy = self.ring_busy.pop(ring_key, None)
-        if busy is not None:
-            busy.synchronize()  # the host must not overwrite pinned bytes an earlier H2D may still read
-        src = self.ring[ring_key][: self.manifest.ref(key, precision).nbytes]
+        src = self._ring(pool, slot, self.manifest.ref(key, precision).nbytes)
         self.disk.read(key, precision, src)
         return precision, "nvme", src
 
