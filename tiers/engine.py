@@ -105,7 +105,7 @@ class TierManager:
 
         # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
         self.pool_of: dict[int, SlotPool] = {}
-        self.lru: dict[int, LruSlots] = {}
+        self.cache: dict[int, LruSlots] = {}  # per pool: the staging-slot policy (LRU or LFU)
         self.transit: dict[int, torch.Tensor] = {}
         self.hot_count: dict[int, int] = {}
         self.pools: list[SlotPool] = []
@@ -113,7 +113,7 @@ class TierManager:
             layout = manifest.layers[g.layers[0]].layout
             pool = SlotPool(layout, g.n_slots, device=device, dtype=self.dtype, event_factory=self.streams.event)
             self.pools.append(pool)
-            self.lru[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay)
+            self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay)
             self.hot_count[id(pool)] = g.hot
             self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
             for L in g.layers:
@@ -193,7 +193,7 @@ class TierManager:
         """Hold ``key`` in a GPU slot, staging it if needed. None if every staging slot is held."""
         r = self.table[key]
         pool = self.pool_of[key.layer]
-        lru = self.lru[id(pool)]
+        lru = self.cache[id(pool)]
         if self.recorded is not None:
             self.recorded.append(key)
         if not r.pinned:
@@ -256,7 +256,7 @@ class TierManager:
         them: a later lookup finds them resident (or still loading, and waits on their event).
         Stages at most as many as there are unheld staging slots, so it never evicts its own work."""
         pool = self.pool_of[layer]
-        lru = self.lru[id(pool)]
+        lru = self.cache[id(pool)]
         free = sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
         issued = 0
         for e in experts:

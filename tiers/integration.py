@@ -17,7 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
 
-from loader.layout import discover_layout, find_experts_modules
+from loader.layout import ExpertKey, discover_layout, find_experts_modules
 from loader.packed import Manifest, file_crc32, read_manifest
 from loader.skeleton import build_skeleton
 from tiers.config import TiersConfig, load_config
@@ -177,8 +177,6 @@ def tiers_grouped_experts_forward(
 def _chunks(mgr, layer: int, experts: list[int]) -> list[list[int]]:
     """Split a layer's experts so each part fits: hot experts are free, every other one needs a
     staging slot (an expert cached in a staging slot now may be evicted by the part's own misses)."""
-    from loader.layout import ExpertKey
-
     pool = mgr.pool_of[layer]
     room = pool.n_slots - mgr.hot_count[id(pool)]
     parts, cur, misses = [], [], 0
