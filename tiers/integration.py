@@ -264,6 +264,8 @@ def load(
     manifest = read_manifest(path)
     dev = _resolve_device(device)
     placement = plan_placement(cfg, manifest)
+    if not (manifest.root / "config.json").is_file():
+        raise ValueError(f"packed checkpoint {str(manifest.root)!r} has no config.json; re-pack it from a save_pretrained directory")
     hf_config = AutoConfig.from_pretrained(manifest.root)
     model = build_skeleton(hf_config, dtype=torch.bfloat16)
     modules = find_experts_modules(model)

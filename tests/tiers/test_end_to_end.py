@@ -238,3 +238,13 @@ def test_all_hot_layers_take_the_static_path(device, checkpoint_factory, packed_
     s = tiers.stats(model)
     assert s.hits == {"gpu": sum(seen), "cpu": 0, "nvme": 0}
     assert s.misses["gpu"] == 0
+
+
+def test_missing_config_json_is_named(tmp_path, packed_factory):
+    import shutil
+
+    packed = tmp_path / "p"
+    shutil.copytree(packed_factory("mixtral"), packed)
+    (packed / "config.json").unlink()
+    with pytest.raises(ValueError, match="has no config.json"):
+        tiers.load(packed, device="cpu", progress=False)
