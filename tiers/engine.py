@@ -336,11 +336,11 @@ class TierManager:
 
     def _fetch(self, key: ExpertKey, r: Residency, pool: SlotPool, slot: int) -> tuple[str, str, torch.Tensor]:
         """The pinned host bytes of ``key``'s blob: a view into the pool, or a disk read into the slot's ring buffer."""
+        precision = self._precision_of(r)
+        nbytes = self.manifest.ref(key, precision).nbytes
         if r.home is Home.CPU:
-            precision = self.cfg.cpu.precision
-            return precision, "cpu", self.host.view(r.host_offset, self.manifest.ref(key, precision).nbytes)
-        precision = self.cfg.nvme.precision
-        src = self._ring(pool, slot, self.manifest.ref(key, precision).nbytes)
+            return precision, "cpu", self.host.view(r.host_offset, nbytes)
+        src = self._ring(pool, slot, nbytes)
         self.disk.read(key, precision, src)
         return precision, "nvme", src
 

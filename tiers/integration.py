@@ -1,11 +1,16 @@
-"""The transformers integration: ``tiers.load`` and the "tiers" experts implementation.
+"""The transformers integration: ``tiers.load`` and the two tiers experts implementations.
 
 Owns: building the model on meta from ``config.json``, loading the dense weights, binding each
-experts module to the tier manager, and the experts forward registered in transformers'
+experts module to the tier manager, and the experts forwards registered in transformers'
 ``ALL_EXPERTS_FUNCTIONS`` (selected with ``set_experts_implementation``; no model class is
-patched). The forward follows transformers' eager experts loop operation for operation, with
-each expert's weights read from its GPU slot, so an all-bf16 configuration gives bit-identical
-logits to the untiered model running the eager implementation.
+patched):
+
+- "tiers" (``compute: eager``) follows transformers' eager experts loop operation for operation
+  with each expert's weights read from its GPU slot: all-bf16 logits are bit-identical to the
+  untiered model running the eager implementation;
+- "tiers_grouped" (``compute: grouped``, the default) runs transformers' grouped_mm forward on a
+  view of the slots: bit-identical to untiered grouped_mm when a layer call's experts fit the
+  staging slots, summed over parts (close, not exact) when they do not.
 """
 from __future__ import annotations
 
@@ -148,6 +153,8 @@ def tiers_grouped_experts_forward(
         return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
     with torch.no_grad():
         hit = _route(self, binding, hidden_states, top_k_index)
+    if not hit:  # no routed expert: grouped_mm would leave every row unwritten
+        return torch.zeros_like(hidden_states)
     held = mgr.acquire_layer(binding.layer, hit)
     if held is not None:
         _prefetch(binding)
@@ -160,7 +167,7 @@ def tiers_grouped_experts_forward(
         try:
             for h in held:
                 mgr.wait(h)
-            pool = held[0].pool if held else mgr.pool_of[binding.layer]
+            pool = mgr.pool_of[binding.layer]
             slot_of = torch.full((self.num_experts + 1,), pool.n_slots, dtype=top_k_index.dtype)  # sentinel
             slot_of[chunk] = torch.tensor([h.slot for h in held], dtype=top_k_index.dtype)
             ids = slot_of.to(top_k_index.device, non_blocking=True)[top_k_index]  # [T, k] slot ids
@@ -171,7 +178,7 @@ def tiers_grouped_experts_forward(
             for h in held:
                 mgr.release(h)
         out = part if out is None else out + part
-    return out if out is not None else torch.zeros_like(hidden_states)
+    return out
 
 
 def _chunks(mgr, layer: int, experts: list[int]) -> list[list[int]]:
