@@ -1,8 +1,9 @@
-"""GPU expert cache over the staging slots: LRU or LFU with decay, and Belady's MIN to judge them.
+"""GPU expert cache over the staging slots: LRU, LFU with decay, or a layer-aware forecast, and
+Belady's MIN to judge them.
 
 Owns: which staging slot a miss takes. Hot slots are pinned and never offered. Policies see
-only slots, keys and time counted in lookups (never a wall clock), so a replay of a recorded
-routing trace is deterministic. Invariant: ``victim`` only returns a slot nobody holds
+only slots, keys, layer visits and time counted in lookups (never a wall clock), so a replay of
+a recorded routing trace is deterministic. Invariant: ``victim`` only returns a slot nobody holds
 (``readers[slot] == 0``); an empty slot is always taken before an occupied one.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from loader.layout import ExpertKey
 
-POLICIES = ("lru", "lfu")
+POLICIES = ("forecast", "lru", "lfu")
 
 
 class LruSlots:
@@ -26,12 +27,19 @@ class LruSlots:
     def access(self, key: ExpertKey) -> None:  # LRU needs no per-key history
         pass
 
+    def visit(self, layer: int, keys: Iterable[ExpertKey] = ()) -> None:
+        """A call of ``layer`` begins and will look up ``keys``; only the forecast uses this."""
+
     def assign(self, slot: int, key: ExpertKey) -> None:
         self._owner[slot] = key
         self.touch(slot)
 
     def touch(self, slot: int) -> None:
         self._order.move_to_end(slot)
+
+    def forget(self, slot: int) -> None:
+        """The slot was emptied: it is offered first again."""
+        self._owner.pop(slot, None)
 
     def victim(self, readers: Sequence[int]) -> int | None:
         """An empty slot if any, else the least recently used slot nobody holds; None if all are held."""
@@ -76,11 +84,78 @@ class LfuSlots(LruSlots):
         return min(free, key=lambda s: self.score(self._owner[s]))
 
 
-def make_cache(policy: str, slots: Iterable[int], *, decay: float = 0.99) -> LruSlots:
+class ForecastSlots(LruSlots):
+    """Evict the expert whose next use is forecast farthest away (an online estimate of Belady's MIN).
+
+    Layers are called in a fixed cycle (``layers``), so an expert of layer ``l`` cannot be used
+    before ``l``'s next call: ``d`` calls from now, 1 for the next layer and ``n`` for the layer
+    just called. Each expert's chance ``p`` of being used at one call of its layer is the larger
+    of two moving averages over its layer's calls: a fast one (``fast``: did the last calls use
+    it, which catches tokens reusing experts) and a slow one (``slow``: long-run popularity). With
+    ``p`` per call the expected wait is ``d + n * (1/p - 1)`` layer calls; the largest is evicted.
+    LRU is exactly wrong on this cycle: the least recently used expert is the one needed next.
+    Experts used by the current call are never chosen while another slot is free.
+    """
+
+    def __init__(self, slots: Iterable[int], layers: Sequence[int], *, fast: float = 0.9, slow: float = 0.02):
+        super().__init__(slots)
+        for name, rate in (("fast", fast), ("slow", slow)):
+            if not 0.0 < rate < 1.0:
+                raise ValueError(f"ForecastSlots: {name} must be in (0, 1), got {rate!r}")
+        self.fast, self.slow = fast, slow
+        self.position = {layer: i for i, layer in enumerate(layers)}  # layer -> place in the cycle
+        self.calls: dict[int, int] = {}  # layer -> calls so far
+        self.current: int | None = None
+        self.in_call: set[ExpertKey] = set()  # experts the current call uses
+        self._counted: set[ExpertKey] = set()  # ... and has looked up so far
+        self._avg: dict[ExpertKey, tuple[float, float, int]] = {}  # key -> (fast, slow, at call)
+
+    def visit(self, layer: int, keys: Iterable[ExpertKey] = ()) -> None:
+        self.calls[layer] = self.calls.get(layer, 0) + 1
+        self.current = layer
+        self.in_call = set(keys)
+        self._counted = set()
+
+    def _averages(self, key: ExpertKey) -> tuple[float, float]:
+        f, s, at = self._avg.get(key, (0.0, 0.0, self.calls.get(key.layer, 0)))
+        gap = self.calls.get(key.layer, 0) - at
+        return f * (1.0 - self.fast) ** gap, s * (1.0 - self.slow) ** gap
+
+    def access(self, key: ExpertKey) -> None:
+        if key in self._counted:
+            return
+        self._counted.add(key)
+        self.in_call.add(key)
+        f, s = self._averages(key)
+        self._avg[key] = (f + self.fast * (1.0 - f), s + self.slow * (1.0 - s), self.calls.get(key.layer, 0))
+
+    def wait(self, key: ExpertKey) -> float:
+        """Expected layer calls until ``key`` is next used (-1: the current call uses it)."""
+        if key in self.in_call:
+            return -1.0
+        n = max(len(self.position), 1)
+        here, there = self.position.get(self.current), self.position.get(key.layer)
+        d = n if here is None or there is None else ((there - here) % n or n)
+        p = max(*self._averages(key), 1e-6)
+        return d + n * (1.0 / p - 1.0)
+
+    def victim(self, readers: Sequence[int]) -> int | None:
+        free = [s for s in self._order if readers[s] == 0]
+        for s in free:
+            if s not in self._owner:
+                return s
+        if not free:
+            return None
+        return max(free, key=lambda s: self.wait(self._owner[s]))  # ties: the least recently used
+
+
+def make_cache(policy: str, slots: Iterable[int], *, decay: float = 0.99, layers: Sequence[int] = ()) -> LruSlots:
     if policy == "lru":
         return LruSlots(slots)
     if policy == "lfu":
         return LfuSlots(slots, decay)
+    if policy == "forecast":
+        return ForecastSlots(slots, layers)
     raise ValueError(f"tiers.gpu.cache: unknown policy {policy!r}; allowed: {list(POLICIES)}")
 
 
@@ -91,7 +166,12 @@ def replay(trace: Sequence[ExpertKey], capacity: int, hot: set[ExpertKey], cache
     owner: dict[int, ExpertKey] = {}
     readers = [0] * capacity
     hits = 0
-    for key in trace:
+    for i, key in enumerate(trace):
+        if i == 0 or key.layer != trace[i - 1].layer:  # the trace is in call order: a change of layer is a new call
+            end = i
+            while end < len(trace) and trace[end].layer == key.layer:
+                end += 1
+            policy.visit(key.layer, trace[i:end])
         if key in hot:
             continue
         policy.access(key)

@@ -39,7 +39,7 @@ class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
     staging_slots: int = 2  # GPU slots for misses, inside the budget
-    cache: str = "lru"  # which staging slot a miss takes: lru or lfu
+    cache: str = "forecast"  # which staging slot a miss takes: forecast (layer-aware next use), lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
     prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off
@@ -58,10 +58,19 @@ class NvmeTier:
 
 
 @dataclass(frozen=True)
+class Rebalance:
+    every_tokens: int = 0  # re-count routing and rebalance the tiers every this many tokens; 0: off
+    window: int = 4  # the frequency is counted over the last ``window`` intervals of every_tokens
+    max_moves: int = 4  # experts promoted per rebalance, at most (each tier)
+    margin: float = 0.25  # a newcomer must be used this much more often than the expert it replaces
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     gpu: GpuTier = field(default_factory=GpuTier)
     cpu: CpuTier = field(default_factory=CpuTier)
     nvme: NvmeTier = field(default_factory=NvmeTier)
+    rebalance: Rebalance = field(default_factory=Rebalance)
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -119,7 +128,7 @@ def _precision(d: dict, key: str, default: str) -> str:
 def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
-    tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme"})
+    tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
     g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads"})
@@ -128,8 +137,8 @@ def parse_config(doc: Any) -> TiersConfig:
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
         raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024], got {slots!r}")
     cache = g.get("cache", d.gpu.cache)
-    if cache not in ("lru", "lfu"):
-        raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: ['lru', 'lfu']")
+    if cache not in ("forecast", "lru", "lfu"):
+        raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: ['forecast', 'lfu', 'lru']")
     decay = g.get("lfu_decay", d.gpu.lfu_decay)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
         raise ValueError(f"tiers.gpu.lfu_decay: expected a number in (0, 1], got {decay!r}")
@@ -154,7 +163,27 @@ def parse_config(doc: Any) -> TiersConfig:
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
             f"{gpu.size.fraction} + {cpu.size.fraction} = {gpu.size.fraction + cpu.size.fraction}"
         )
-    return TiersConfig(gpu, cpu, nvme)
+    return TiersConfig(gpu, cpu, nvme, _rebalance(_check_keys(tiers.get("rebalance"), "tiers.rebalance", {"every_tokens", "window", "max_moves", "margin"})))
+
+
+def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"{key}.{name}: expected an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _rebalance(r: dict) -> Rebalance:
+    d = Rebalance()
+    margin = r.get("margin", d.margin)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 100:
+        raise ValueError(f"tiers.rebalance.margin: expected a number in [0, 100], got {margin!r}")
+    return Rebalance(
+        every_tokens=_int_in(r, "tiers.rebalance", "every_tokens", d.every_tokens, 0, 1 << 30),
+        window=_int_in(r, "tiers.rebalance", "window", d.window, 1, 1024),
+        max_moves=_int_in(r, "tiers.rebalance", "max_moves", d.max_moves, 1, 1 << 20),
+        margin=float(margin),
+    )
 
 
 def load_config(config: str | Path | dict | TiersConfig | None) -> TiersConfig:

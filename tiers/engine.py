@@ -34,6 +34,7 @@ from tiers.disk_store import DiskStore, IntegrityError
 from tiers.host_pool import HostPool, assert_pinned, copy_h2d_async
 from tiers.cache import LruSlots, make_cache
 from tiers.policy import Placement
+from tiers.rebalance import Rebalancer
 from tiers.residency import Home, Op, Residency, ResidencyTable
 from tiers.slots import SlotPool
 from tiers.stats import StatsCollector, TierStats
@@ -96,9 +97,15 @@ class TierManager:
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
         self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
         # Prefetched cold experts are read on reader threads; their slot is held until the read lands.
+        rebalancing = cfg.rebalance.every_tokens > 0 and len(placement.hot) < len(manifest.keys)
+        if rebalancing:
+            for key, p in (("tiers.gpu.precision", cfg.gpu.precision), ("tiers.cpu.precision", cfg.cpu.precision), ("tiers.nvme.precision", cfg.nvme.precision)):
+                if p not in manifest.precisions:
+                    raise ValueError(f"tiers.rebalance: moving experts between tiers needs {key} {p!r} packed in {str(manifest.root)!r} "
+                                     f"(packed: {list(manifest.precisions)}); re-pack, or set tiers.rebalance.every_tokens: 0")
         self.reader_threads = (
             ThreadPoolExecutor(cfg.nvme.reader_threads, thread_name_prefix="tiers-read")
-            if placement.cold and cfg.nvme.reader_threads else None
+            if (placement.cold or rebalancing) and cfg.nvme.reader_threads else None
         )
         self.pending: dict[tuple[int, int], tuple[Future, ExpertKey, str, torch.Tensor, SlotPool]] = {}
         self.predicted: dict[int, set[int]] = {}  # layer -> experts predicted for its next call
@@ -108,26 +115,30 @@ class TierManager:
         self.cache: dict[int, LruSlots] = {}  # per pool: the staging-slot policy (LRU or LFU)
         self.transit: dict[int, torch.Tensor] = {}
         self.hot_count: dict[int, int] = {}
+        self.keys_of: dict[int, list[ExpertKey]] = {}  # per pool: the experts it serves
         self.pools: list[SlotPool] = []
         for g in placement.groups:
             layout = manifest.layers[g.layers[0]].layout
             pool = SlotPool(layout, g.n_slots, device=device, dtype=self.dtype, event_factory=self.streams.event)
             self.pools.append(pool)
-            self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay)
+            self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay, layers=g.layers)
             self.hot_count[id(pool)] = g.hot
             self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
             for L in g.layers:
                 self.pool_of[L] = pool
+            self.keys_of[id(pool)] = [k for k in manifest.keys if k.layer in g.layers]
 
-        # -- Host: the warm pool plus one pinned ring buffer per staging slot for disk reads.
+        # -- Host: the warm pool, one pinned ring buffer per staging slot for disk reads (rebalancing
+        # may send any expert to disk), and the rebalancer's promotion buffers.
         warm_bytes = sum(manifest.blob(k, cfg.cpu.precision).stride for k in placement.warm)
         self.ring_bytes: dict[int, int] = {}
-        if placement.cold:
+        if placement.cold or rebalancing:
             for g in placement.groups:
                 pool = self.pool_of[g.layers[0]]
                 self.ring_bytes[id(pool)] = max(manifest.layers[L].blobs[cfg.nvme.precision].stride for L in g.layers)
         ring_total = sum(self.ring_bytes[id(p)] * (p.n_slots - self.hot_count[id(p)]) for p in self.pools if id(p) in self.ring_bytes)
-        self.host = HostPool(warm_bytes + ring_total, pin=device.type == "cuda")
+        promote_bytes = Rebalancer.buffer_bytes(manifest, cfg, placement) if rebalancing else 0
+        self.host = HostPool(warm_bytes + ring_total + promote_bytes, pin=device.type == "cuda")
         self.warm_bytes = warm_bytes
         self.ring: dict[tuple[int, int], torch.Tensor] = {}
         self.ring_busy: dict[tuple[int, int], Any] = {}
@@ -140,6 +151,8 @@ class TierManager:
         needed = {cfg.gpu.precision} if placement.hot else set()
         needed |= {cfg.cpu.precision} if placement.warm else set()
         needed |= {cfg.nvme.precision} if placement.cold else set()
+        if rebalancing:  # any expert may move to any tier
+            needed |= {cfg.gpu.precision, cfg.cpu.precision, cfg.nvme.precision}
         self.disk = DiskStore(manifest, sorted(needed), verify=verify)
 
         # The initial table: every expert's home, and each warm expert's place in the host pool.
@@ -158,6 +171,10 @@ class TierManager:
                 slots = [self.table[k].slot for k in keys] + [pool.n_slots]
                 self.static_maps[L] = torch.tensor(slots, dtype=torch.long, device=device)
         self._static_hits = torch.zeros((), dtype=torch.long, device=device)  # lookups on static layers, counted on the device
+        self.first_layer = min((L for L in manifest.layers if L not in self.static_maps), default=None)
+        self.rebalancer = (
+            Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
+        )
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
@@ -189,6 +206,21 @@ class TierManager:
             torch.cuda.synchronize(self.device)  # hot copies from pageable scratch must land before it is freed
 
     # -- serving -------------------------------------------------------------------------
+    def begin_call(self, layer: int, experts: list[int], tokens: int) -> None:
+        """A layer call with ``tokens`` tokens routed to ``experts`` begins: tell the cache policy
+        (it forecasts by layer order) and the rebalancer (it counts routing per rolling window)."""
+        keys = [ExpertKey(layer, e) for e in experts]
+        self.cache[id(self.pool_of[layer])].visit(layer, keys)
+        if self.rebalancer is not None:
+            self.rebalancer.note_call(layer, keys, tokens, first=layer == self.first_layer)
+
+    def drop_staged(self, pool: SlotPool, slot: int) -> None:
+        """Empty an unheld staging slot (its expert leaves the GPU); the cache offers it first."""
+        assert pool.readers[slot] == 0, f"slot {slot} is emptied while held"
+        self._evict_owner(pool, slot)
+        pool.owner[slot] = None
+        self.cache[id(pool)].forget(slot)
+
     def try_acquire(self, key: ExpertKey) -> Handle | None:
         """Hold ``key`` in a GPU slot, staging it if needed. None if every staging slot is held."""
         r = self.table[key]
@@ -317,9 +349,11 @@ class TierManager:
             self._complete(ring_key)
 
     def pump(self) -> None:
-        """Queue the copies of every read-ahead that has landed; never blocks."""
+        """Queue the copies of every read-ahead and rebalance read that has landed; never blocks."""
         for ring_key in [k for k, v in self.pending.items() if v[0].done()]:
             self._complete(ring_key)
+        if self.rebalancer is not None:
+            self.rebalancer.land()
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
         self.predicted[layer] = set(experts)
@@ -344,7 +378,9 @@ class TierManager:
         self.disk.read(key, precision, src)
         return precision, "nvme", src
 
-    def _stage(self, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor) -> None:
+    def _stage(self, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor) -> Any:
+        """Queue ``src`` (pinned) -> slot on the copy stream; returns the slot's ready event.
+        ``source`` names the bytes in the stats: cpu, nvme, or rebalance (a hot promotion)."""
         blob = self.manifest.blob(key, precision)
         pool.begin_write(slot, key, self.copy_stream)
         t0 = self.clock()
@@ -363,11 +399,12 @@ class TierManager:
         ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
         if source == "nvme":
             self.ring_busy[(id(pool), slot)] = ready
-        self.stats_.bytes_moved[source] += src.numel()
+        self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()
         if self.timing:
             self.stats_.timed("stage", start, ready)
         else:
             self.stats_.stage_seconds += self.clock() - t0
+        return ready
 
     def wait(self, h: Handle) -> None:
         """Make the compute stream wait for ``h``'s copy; call right before its first kernel."""
@@ -444,11 +481,11 @@ class TierManager:
         self.stats_.resolve()
         static = int(self._static_hits.item())
         m, cfg = self.manifest, self.cfg
-        residency = {
-            "gpu": {"experts": len(self.placement.hot), "bytes": sum(m.layers[k.layer].layout.nbytes() for k in self.placement.hot)},
-            "cpu": {"experts": len(self.placement.warm), "bytes": self.warm_bytes},
-            "nvme": {"experts": len(self.placement.cold), "bytes": sum(m.blob(k, cfg.nvme.precision).stride for k in self.placement.cold)},
-        }
+        residency = {h.value: {"experts": 0, "bytes": 0} for h in Home}
+        for k, r in self.table.items():  # where each expert lives now (the rebalancer moves them)
+            size = m.layers[k.layer].layout.nbytes() if r.home is Home.GPU else m.blob(k, self._precision_of(r)).stride
+            residency[r.home.value]["experts"] += 1
+            residency[r.home.value]["bytes"] += size
         hot = sum(self.hot_count.values())
         staging = sum(p.n_slots for p in self.pools) - hot
         cached = sum(1 for p in self.pools for s in range(self.hot_count[id(p)], p.n_slots) if p.owner[s] is not None)
@@ -472,9 +509,12 @@ class TierManager:
             prefetch=self.stats_.prefetch_report(),
             memory=memory,
             device=str(self.device),
+            rebalance=self.rebalancer.report() if self.rebalancer is not None else {},
         )
 
     def close(self) -> None:
+        if self.rebalancer is not None:
+            self.rebalancer.close()
         if self.reader_threads is not None:
             self.reader_threads.shutdown(wait=True)
             self.drain()

@@ -93,6 +93,7 @@ def tiers_experts_forward(
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
         expert_mask = expert_mask.permute(2, 1, 0)  # [E+1, k, T]
         hit = _route(self, binding, hidden_states, top_k_index)
+    binding.manager.begin_call(binding.layer, hit, hidden_states.shape[0])
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     prefetched = not binding.lookahead
     for expert_idx, w in binding.manager.serve_layer(binding.layer, hit):
@@ -153,6 +154,7 @@ def tiers_grouped_experts_forward(
         return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
     with torch.no_grad():
         hit = _route(self, binding, hidden_states, top_k_index)
+    mgr.begin_call(binding.layer, hit, hidden_states.shape[0])
     if not hit:  # no routed expert: grouped_mm would leave every row unwritten
         return torch.zeros_like(hidden_states)
     held = mgr.acquire_layer(binding.layer, hit)

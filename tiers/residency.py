@@ -1,9 +1,11 @@
 """The residency table: where every expert lives, changed only through ``transition``.
 
 Owns: one ``dict[ExpertKey, Residency]`` and the single pure transition function over it.
-Invariants: an expert's home tier (gpu, cpu or nvme) holds it for good; at most one GPU slot
-holds it; a hot (pinned) expert is never evicted; every other change of state is one of the
-edges in ``_EDGES`` or raises ``IllegalTransition``.
+Invariants: at most one GPU slot holds an expert; a hot (pinned) expert is never evicted, its
+home is gpu and it has a slot; an expert's home is cpu exactly when it has a host offset; homes
+change only through the rebalancer's four ops (promote / demote between nvme-or-cpu and gpu,
+warm / cool between nvme and cpu); every change is one of the edges below or raises
+``IllegalTransition``.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ class Op(str, Enum):
     STAGE = "stage"  # a copy into a staging slot was issued
     READY = "ready"  # the compute stream now waits on that copy
     EVICT = "evict"  # the staging slot was given to another expert
+    PROMOTE = "promote"  # rebalancer: an expert in no slot becomes hot, its copy into a hot slot issued
+    DEMOTE = "demote"  # rebalancer: a hot expert gives its slot up and lives on disk (nvme) again
+    WARM = "warm"  # rebalancer: an nvme expert's blob landed in the host pool at ``offset``
+    COOL = "cool"  # rebalancer: a warm expert's host bytes are given to another; it lives on disk
 
 
 class IllegalTransition(RuntimeError):
@@ -51,16 +57,42 @@ _EDGES = {
     (SlotState.LOADING, Op.READY): SlotState.READY,
     (SlotState.READY, Op.EVICT): SlotState.ABSENT,
     (SlotState.LOADING, Op.EVICT): SlotState.ABSENT,
+    (SlotState.ABSENT, Op.PROMOTE): SlotState.LOADING,
+    (SlotState.LOADING, Op.DEMOTE): SlotState.ABSENT,
+    (SlotState.READY, Op.DEMOTE): SlotState.ABSENT,
 }
+_HOME_OPS = {Op.WARM: Home.NVME, Op.COOL: Home.CPU}  # op -> the home it starts from (slot state unchanged)
 
 
-def transition(r: Residency, op: Op, slot: int | None = None) -> Residency:
+def transition(r: Residency, op: Op, slot: int | None = None, offset: int | None = None) -> Residency:
     """The one way a Residency changes. Pure: returns the new value."""
+    if op in _HOME_OPS:
+        if r.pinned:
+            raise IllegalTransition(f"{op.value}: a hot (pinned) expert lives on the gpu; demote it first")
+        if r.home is not _HOME_OPS[op]:
+            raise IllegalTransition(f"{op.value} needs home {_HOME_OPS[op].value}, not {r.home.value}")
+        if op is Op.WARM:
+            if offset is None:
+                raise IllegalTransition("warm needs a host offset")
+            return replace(r, home=Home.CPU, host_offset=offset)
+        return replace(r, home=Home.NVME, host_offset=None)
     nxt = _EDGES.get((r.state, op))
     if nxt is None:
         raise IllegalTransition(f"{op.value} is not allowed from state {r.state.value}")
     if op is Op.EVICT and r.pinned:
         raise IllegalTransition("a hot (pinned) expert is never evicted")
+    if op is Op.PROMOTE:
+        if r.pinned:
+            raise IllegalTransition("promote: the expert is hot already")
+        if slot is None:
+            raise IllegalTransition("promote needs a slot")
+        return replace(r, home=Home.GPU, host_offset=None, slot=slot, state=nxt, pinned=True)
+    if op is Op.DEMOTE:
+        if not r.pinned:
+            raise IllegalTransition("demote: only a hot (pinned) expert is demoted")
+        return replace(r, home=Home.NVME, host_offset=None, slot=None, state=nxt, pinned=False)
+    if op is Op.PLACE_HOT and r.home is not Home.GPU:
+        raise IllegalTransition(f"place_hot: the expert's home is {r.home.value}; only gpu-home experts are placed hot at load")
     if op in (Op.PLACE_HOT, Op.STAGE):
         if slot is None:
             raise IllegalTransition(f"{op.value} needs a slot")
@@ -83,9 +115,9 @@ class ResidencyTable:
     def items(self):
         return self._table.items()
 
-    def apply(self, key: ExpertKey, op: Op, slot: int | None = None) -> Residency:
+    def apply(self, key: ExpertKey, op: Op, slot: int | None = None, offset: int | None = None) -> Residency:
         try:
-            new = transition(self._table[key], op, slot)
+            new = transition(self._table[key], op, slot, offset)
         except IllegalTransition as e:
             raise IllegalTransition(f"{key}: {e}") from None
         self._table[key] = new

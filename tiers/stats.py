@@ -27,6 +27,7 @@ class TierStats:
     memory: dict[str, int]
     device: str
     prefetch: dict[str, float] = field(default_factory=dict)
+    rebalance: dict[str, int] = field(default_factory=dict)
 
     @property
     def h2d_gbps(self) -> float:
@@ -46,6 +47,7 @@ class TierStats:
             "gpu_slots": dict(self.gpu_slots),
             "memory": dict(self.memory),
             "prefetch": dict(self.prefetch),
+            "rebalance": dict(self.rebalance),
         }
 
     def __str__(self) -> str:
@@ -78,6 +80,12 @@ class TierStats:
             lines.append(
                 f"prefetch: {p['issued']} staged ahead, {p['used']} used, accuracy {p['accuracy']:.1%}, "
                 f"{p['wasted_bytes'] / mib:.1f} MiB wasted"
+            )
+        if self.rebalance:
+            r = self.rebalance
+            lines.append(
+                f"rebalance: {r['rebalances']} rounds, {r['promoted_hot']} promoted to gpu, {r['promoted_warm']} to cpu, "
+                f"{r['in_flight']} in flight, {r['read_errors']} read errors"
             )
         return "\n".join(lines)
 

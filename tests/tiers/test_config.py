@@ -163,10 +163,11 @@ def test_bad_precision_names_key_and_allowed(key, value):
 
 _ALLOWED = {
     "config": {"tiers"},
-    "tiers": {"gpu", "cpu", "nvme"},
+    "tiers": {"gpu", "cpu", "nvme", "rebalance"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"},
     "tiers.cpu": {"fraction", "budget", "precision"},
     "tiers.nvme": {"precision", "reader_threads"},
+    "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin"},
 }
 
 
@@ -231,7 +232,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
         (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
-        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme']"),
+        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme', 'rebalance']"),
         (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision', 'reader_threads']"),
         (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 0"),
         (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 2.0"),
@@ -486,7 +487,8 @@ def test_bad_lfu_decay_names_key(bad):
 def test_cache_policy_parses():
     cfg = parse_config({"tiers": {"gpu": {"cache": "lfu", "lfu_decay": 0.9}}})
     assert (cfg.gpu.cache, cfg.gpu.lfu_decay) == ("lfu", 0.9)
-    assert parse_config(None).gpu.cache == "lru"
+    assert parse_config(None).gpu.cache == "forecast"
+    assert parse_config({"tiers": {"gpu": {"cache": "lru"}}}).gpu.cache == "lru"
 
 
 @pytest.mark.parametrize("bad", ["GROUPED", "fast", 1])
@@ -505,3 +507,21 @@ def test_bad_prefetch_depth_names_key(bad):
 def test_bad_reader_threads_names_key(bad):
     with pytest.raises(ValueError, match=re.escape("tiers.nvme.reader_threads: expected an integer in [0, 64]")):
         parse_config({"tiers": {"nvme": {"reader_threads": bad}}})
+
+
+def test_rebalance_parses_and_defaults_off():
+    assert parse_config(None).rebalance.every_tokens == 0
+    r = parse_config({"tiers": {"rebalance": {"every_tokens": 64, "window": 8, "max_moves": 2, "margin": 0.5}}}).rebalance
+    assert (r.every_tokens, r.window, r.max_moves, r.margin) == (64, 8, 2, 0.5)
+
+
+@pytest.mark.parametrize("name,bad", [("every_tokens", -1), ("every_tokens", 1.5), ("window", 0), ("max_moves", True),
+                                      ("margin", -0.1), ("margin", "x")])
+def test_bad_rebalance_names_key(name, bad):
+    with pytest.raises(ValueError, match=re.escape(f"tiers.rebalance.{name}:")):
+        parse_config({"tiers": {"rebalance": {name: bad}}})
+
+
+def test_unknown_rebalance_key():
+    with pytest.raises(ValueError, match=re.escape("tiers.rebalance.every: unknown key")):
+        parse_config({"tiers": {"rebalance": {"every": 3}}})

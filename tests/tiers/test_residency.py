@@ -3,13 +3,20 @@
 The reference model below is written from the documented design (module docstring of
 ``tiers.residency`` and the comments on ``Op``), not from ``_EDGES``:
 
-    absent  --place_hot(slot)-->  ready   (pinned)
+    absent  --place_hot(slot)-->  ready   (pinned; home gpu only)
     absent  --stage(slot)------>  loading (not pinned)
     loading --ready------------>  ready
     loading --evict------------>  absent  (slot freed)
     ready   --evict------------>  absent  (slot freed; never for a pinned expert)
 
-Everything else raises ``IllegalTransition``; place_hot and stage need a slot.
+and the rebalancer's ops, which change homes:
+
+    absent, not pinned  --promote(slot)-->  loading, pinned, home gpu, no host offset
+    loading|ready, pinned --demote------->  absent, not pinned, home nvme, no host offset
+    home nvme, not pinned --warm(offset)->  home cpu at offset (slot state unchanged)
+    home cpu, not pinned  --cool--------->  home nvme, no host offset (slot state unchanged)
+
+Everything else raises ``IllegalTransition``; place_hot, stage and promote need a slot, warm an offset.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ MODEL_EDGES = {
     ("ready", "evict"): "absent",
 }
 NEEDS_SLOT = {"place_hot", "stage"}
+HOME_CHANGES = {"promote", "demote", "warm", "cool"}
 
 
 @dataclass(frozen=True)
@@ -50,12 +58,30 @@ def model_of(r: Residency) -> ModelEntry:
     return ModelEntry(r.home.value, r.host_offset, r.state.value, r.slot, r.pinned)
 
 
-def model_step(m: ModelEntry, op: str, slot: int | None) -> ModelEntry | None:
+def model_step(m: ModelEntry, op: str, slot: int | None, offset: int | None = None) -> ModelEntry | None:
     """The predicted next entry, or None when the model says the op is illegal."""
+    if op == "promote":
+        if m.state != "absent" or m.pinned or slot is None:
+            return None
+        return ModelEntry("gpu", None, "loading", slot, True)
+    if op == "demote":
+        if m.state == "absent" or not m.pinned:
+            return None
+        return ModelEntry("nvme", None, "absent", None, False)
+    if op == "warm":
+        if m.pinned or m.home != "nvme" or offset is None:
+            return None
+        return ModelEntry("cpu", offset, m.state, m.slot, m.pinned)
+    if op == "cool":
+        if m.pinned or m.home != "cpu":
+            return None
+        return ModelEntry("nvme", None, m.state, m.slot, m.pinned)
     nxt = MODEL_EDGES.get((m.state, op))
     if nxt is None:
         return None
     if op == "evict" and m.pinned:
+        return None
+    if op == "place_hot" and m.home != "gpu":
         return None
     if op in NEEDS_SLOT and slot is None:
         return None
@@ -72,18 +98,21 @@ def model_step(m: ModelEntry, op: str, slot: int | None) -> ModelEntry | None:
 homes = st.sampled_from(list(Home))
 ops = st.sampled_from(list(Op))
 slots = st.none() | st.integers(min_value=0, max_value=11)
+offsets = st.none() | st.integers(0, 64).map(lambda x: x * 4096)
 
 
 @st.composite
 def consistent_residency(draw) -> Residency:
     """A residency satisfying the table's invariants (what the engine can produce)."""
     home = draw(homes)
-    off = draw(st.integers(0, 1 << 20).map(lambda x: x * 4096)) if home is Home.CPU else None
     state = draw(st.sampled_from(list(SlotState)))
+    pinned = draw(st.booleans()) if state is not SlotState.ABSENT else False
+    if pinned:
+        home = Home.GPU
+    off = draw(st.integers(0, 1 << 20).map(lambda x: x * 4096)) if home is Home.CPU else None
     if state is SlotState.ABSENT:
         return Residency(home=home, host_offset=off)
     slot = draw(st.integers(0, 11))
-    pinned = draw(st.booleans()) if state is SlotState.READY else False
     return Residency(home=home, host_offset=off, slot=slot, state=state, pinned=pinned)
 
 
@@ -99,19 +128,19 @@ any_residency = st.builds(
 
 # -- the pure function ------------------------------------------------------------------------
 @settings(max_examples=400, deadline=None)
-@given(r=any_residency, op=ops, slot=slots)
-def test_transition_matches_model_and_is_pure(r, op, slot):
+@given(r=any_residency, op=ops, slot=slots, offset=offsets)
+def test_transition_matches_model_and_is_pure(r, op, slot, offset):
     before = copy.deepcopy(r)
-    predicted = model_step(model_of(r), op.value, slot)
+    predicted = model_step(model_of(r), op.value, slot, offset)
     if predicted is None:
         with pytest.raises(IllegalTransition):
-            transition(r, op, slot)
+            transition(r, op, slot, offset)
     else:
-        new = transition(r, op, slot)
+        new = transition(r, op, slot, offset)
         assert isinstance(new, Residency)
         assert model_of(new) == predicted
         # deterministic: the same input gives the same output
-        assert transition(r, op, slot) == new
+        assert transition(r, op, slot, offset) == new
     # pure: the input value is unchanged, whether the op was legal or not
     assert r == before
     assert model_of(r) == model_of(before)
@@ -120,15 +149,15 @@ def test_transition_matches_model_and_is_pure(r, op, slot):
 @pytest.mark.parametrize("op", [o for o in Op])
 @pytest.mark.parametrize("state", [s for s in SlotState])
 def test_every_edge_is_enumerated(state, op):
-    """Exhaustive over (state, op) pairs with a slot given and nothing pinned."""
+    """Exhaustive over (state, op) pairs with a slot and an offset given, from nvme, nothing pinned."""
     slot = None if state is SlotState.ABSENT else 3
     r = Residency(home=Home.NVME, slot=slot, state=state)
-    legal = (state.value, op.value) in MODEL_EDGES
-    if legal:
-        assert transition(r, op, 5).state.value == MODEL_EDGES[(state.value, op.value)]
+    predicted = model_step(model_of(r), op.value, 5, 4096)
+    if predicted is not None:
+        assert model_of(transition(r, op, 5, 4096)) == predicted
     else:
         with pytest.raises(IllegalTransition):
-            transition(r, op, 5)
+            transition(r, op, 5, 4096)
 
 
 @pytest.mark.parametrize("op", [Op.PLACE_HOT, Op.STAGE])
@@ -143,8 +172,10 @@ def test_pinned_is_never_evicted():
     hot = transition(Residency(home=Home.GPU), Op.PLACE_HOT, 0)
     assert hot.pinned and hot.state is SlotState.READY and hot.slot == 0
     for op in Op:
+        if op is Op.DEMOTE:
+            continue  # the one way out of a hot slot
         with pytest.raises(IllegalTransition):
-            transition(hot, op, 1)
+            transition(hot, op, 1, 4096)
     assert hot == Residency(home=Home.GPU, slot=0, state=SlotState.READY, pinned=True)
 
 
@@ -165,23 +196,28 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.init_dict = init
         self.homes = {k: r.home for k, r in init.items()}
 
-    @rule(key=st.sampled_from(KEYS), op=ops, slot=slots)
-    def apply(self, key, op, slot):
+    @rule(key=st.sampled_from(KEYS), op=ops, slot=slots, offset=offsets)
+    def apply(self, key, op, slot, offset):
         old_obj = self.table[key]
         old_val = copy.deepcopy(old_obj)
-        predicted = model_step(self.model[key], op.value, slot)
+        predicted = model_step(self.model[key], op.value, slot, offset)
         if predicted is None:
             with pytest.raises(IllegalTransition) as ei:
-                self.table.apply(key, op, slot)
+                self.table.apply(key, op, slot, offset)
             assert str(key) in str(ei.value), "the error names the expert"
             assert self.table[key] == old_val, "an illegal op leaves the table unchanged"
         else:
-            new = self.table.apply(key, op, slot)
+            new = self.table.apply(key, op, slot, offset)
             assert model_of(new) == predicted
             assert self.table[key] == new
+            if op.value not in HOME_CHANGES:
+                assert new.home is old_val.home, "only the rebalancer's ops change a home"
             self.model[key] = predicted
+            self.homes[key] = new.home
             if predicted.pinned:
                 self.ever_pinned.setdefault(key, predicted.slot)
+            if op is Op.DEMOTE:
+                self.ever_pinned.pop(key)
         # the previous value object was not mutated (transition is pure)
         assert old_obj == old_val
 
@@ -217,14 +253,16 @@ class ResidencyMachine(RuleBasedStateMachine):
             return
         for k, s in self.ever_pinned.items():
             r = self.table[k]
-            assert r.pinned and r.state is SlotState.READY and r.slot == s, f"hot {k} moved: {r}"
+            assert r.pinned and r.state is not SlotState.ABSENT and r.slot == s, f"hot {k} moved: {r}"
+            assert r.home is Home.GPU
 
     @invariant()
-    def home_is_fixed(self):
+    def home_matches_offset(self):
         if not hasattr(self, "table"):
             return
         for k, r in self.table.items():
             assert r.home is self.homes[k]
+            assert (r.home is Home.CPU) == (r.host_offset is not None), f"{k}: home {r.home.value}, offset {r.host_offset}"
         counts = self.table.counts()
         assert sum(counts.values()) == len(KEYS)
         for h in Home:

@@ -1,0 +1,265 @@
+"""The rebalancer: rolling routing counts, the pure plan, and moves carried out on a real manager.
+
+Engine tests run on the CPU over a packed tiny Mixtral with every tier in bf16, so any expert
+served from any tier, before or after a move, must equal its packed weights exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tiers
+from loader.layout import ExpertKey
+from loader.packed import read_manifest
+from tiers.config import Rebalance, load_config
+from tiers.disk_store import DiskStore, IntegrityError
+from tiers.engine import Streams, TierManager
+from tiers.integration import manager_of
+from tiers.policy import plan_placement
+from tiers.rebalance import GroupState, Move, RoutingWindow, plan_moves
+from tiers.residency import Home
+
+K = lambda L, e: ExpertKey(L, e)  # noqa: E731
+
+
+# -- the rolling window ---------------------------------------------------------------------------
+def test_window_counts_the_last_intervals_only():
+    w = RoutingWindow(every_tokens=4, window=2)
+    w.count([K(0, 1)] * 3)
+    assert w.add_tokens(3) is None  # 3 of 4 tokens: the interval is still open
+    f = w.add_tokens(1)
+    assert f == Counter({K(0, 1): 3})
+    w.count([K(0, 2)])
+    assert w.add_tokens(4) == Counter({K(0, 1): 3, K(0, 2): 1})
+    w.count([K(0, 3)])
+    assert w.add_tokens(10) == Counter({K(0, 2): 1, K(0, 3): 1})  # the first interval fell out
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+def test_plan_promotes_the_frequent_and_respects_the_margin():
+    keys = tuple(K(0, e) for e in range(6))
+    g = GroupState(keys, hot=frozenset({K(0, 0)}), warm=frozenset({K(0, 1), K(0, 2)}), free_places=0)
+    freq = Counter({K(0, 5): 10, K(0, 0): 2, K(0, 1): 1, K(0, 2): 9, K(0, 3): 4})
+    moves = plan_moves(freq, g, max_moves=4, margin=0.25)
+    assert Move(K(0, 5), Home.GPU, K(0, 0)) in moves
+    # warm: 3 (4 uses) replaces 1 (1 use); 0, just demoted from hot, is not a candidate while it is hot
+    assert Move(K(0, 3), Home.CPU, K(0, 1)) in moves
+    assert all(m.key != K(0, 0) for m in moves)
+    # no move when the newcomer is not margin better
+    assert plan_moves(Counter({K(0, 5): 5, K(0, 0): 4.5}), GroupState(keys, frozenset({K(0, 0)}), frozenset(), 0),
+                      max_moves=4, margin=0.25) == []
+
+
+def test_plan_fills_free_places_first_and_skips_busy_and_unused():
+    keys = tuple(K(1, e) for e in range(5))
+    g = GroupState(keys, hot=frozenset(), warm=frozenset(), free_places=2, busy=frozenset({K(1, 4)}))
+    moves = plan_moves(Counter({K(1, 4): 50, K(1, 3): 5, K(1, 2): 1}), g, max_moves=8, margin=0.0)
+    assert moves == [Move(K(1, 3), Home.CPU, None), Move(K(1, 2), Home.CPU, None)]
+
+
+plan_inputs = st.tuples(
+    st.integers(2, 12).flatmap(lambda n: st.tuples(
+        st.just(n),
+        st.lists(st.integers(0, 20), min_size=n, max_size=n),
+        st.sets(st.integers(0, n - 1)),
+        st.sets(st.integers(0, n - 1)),
+        st.sets(st.integers(0, n - 1), max_size=2),
+        st.integers(0, 3),
+    )),
+    st.integers(1, 4),
+    st.sampled_from([0.0, 0.25, 1.0]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(plan_inputs)
+def test_plan_keeps_tier_sizes_and_only_improves(args):
+    (n, uses, hot, warm, busy, free), max_moves, margin = args
+    warm -= hot
+    keys = tuple(K(0, e) for e in range(n))
+    freq = Counter({K(0, e): u for e, u in enumerate(uses)})
+    g = GroupState(keys, frozenset(K(0, e) for e in hot), frozenset(K(0, e) for e in warm), free,
+                   frozenset(K(0, e) for e in busy))
+    moves = plan_moves(freq, g, max_moves=max_moves, margin=margin)
+    to_gpu = [m for m in moves if m.to is Home.GPU]
+    to_cpu = [m for m in moves if m.to is Home.CPU]
+    assert len(to_gpu) <= max_moves and len(to_cpu) <= max_moves
+    assert len({m.key for m in moves}) == len(moves), "an expert moves once per plan"
+    for m in moves:
+        assert m.key not in g.busy and m.replaces not in g.busy
+        if m.replaces is not None:
+            assert freq[m.key] > freq[m.replaces] * (1 + margin) and freq[m.key] >= freq[m.replaces] + 1
+    for m in to_gpu:
+        assert m.replaces in g.hot and m.key not in g.hot
+    assert len({m.replaces for m in to_gpu}) == len(to_gpu)
+    for m in to_cpu:
+        assert m.key not in g.hot and m.key not in g.warm and freq[m.key] > 0
+        assert m.replaces is None or m.replaces in g.warm
+    assert sum(m.replaces is None for m in to_cpu) <= free, "never more new warm experts than free places"
+
+
+# -- on a manager -------------------------------------------------------------------------------
+BF16 = {"gpu": {"fraction": 0.25, "staging_slots": 2, "precision": "bf16"}, "cpu": {"fraction": 0.25, "precision": "bf16"},
+        "nvme": {"precision": "bf16"}}
+
+
+def manager(packed, every=4, **rebalance) -> TierManager:
+    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": every, "margin": 0.0} | rebalance}})
+    manifest = read_manifest(packed)
+    return TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), progress=False)
+
+
+@pytest.fixture
+def truth(packed_factory):
+    manifest = read_manifest(packed_factory("mixtral"))
+    disk = DiskStore(manifest, ["bf16"])
+    out = {}
+    for k in manifest.keys:
+        buf = torch.empty(manifest.ref(k, "bf16").nbytes, dtype=torch.uint8)
+        disk.read(k, "bf16", buf)
+        layout = manifest.layers[k.layer].layout
+        t = {x.name: torch.empty(x.shape, dtype=torch.bfloat16) for x in layout.tensors}
+        manifest.blob(k, "bf16").dequantize_into(buf, t)
+        out[k] = t
+    disk.close()
+    return out
+
+
+def drive(mgr, calls, truth):
+    """Serve ``calls`` (layer, experts) one token each, checking every served expert bit-exactly."""
+    for layer, experts in calls:
+        mgr.begin_call(layer, experts, 1)
+        for e, w in mgr.serve_layer(layer, experts):
+            for name, t in w.items():
+                assert torch.equal(t, truth[ExpertKey(layer, e)][name]), f"{ExpertKey(layer, e)} {name} differs after a move"
+
+
+def skewed_calls(tokens, favourite):
+    return [(L, sorted({favourite[L], (t * 3 + L) % 8})) for t in range(tokens) for L in range(3)]
+
+
+def test_frequent_experts_become_hot_and_warm_exactly(packed_factory, truth):
+    mgr = manager(packed_factory("mixtral"), every=4)
+    hot0 = {k for k, r in mgr.table.items() if r.pinned}
+    warm0 = sum(r.home is Home.CPU for _, r in mgr.table.items())
+    used0 = mgr.host.used
+    favourite = {L: next(e for e in range(7, -1, -1) if not mgr.table[K(L, e)].pinned) for L in range(3)}
+    drive(mgr, skewed_calls(24, favourite), truth)
+    mgr.rebalancer.land(wait=True)
+    drive(mgr, skewed_calls(8, favourite), truth)  # serve again after the swaps
+    hot = {k for k, r in mgr.table.items() if r.pinned}
+    assert {K(L, e) for L, e in favourite.items()} <= hot, "the favourites were promoted"
+    assert len(hot) == len(hot0), "the hot set keeps its slot count"
+    assert sum(r.home is Home.CPU for _, r in mgr.table.items()) <= warm0, "the warm set keeps its places"
+    assert mgr.host.used == used0, "the host pool never grows"
+    s = mgr.stats()
+    assert s.rebalance["promoted_hot"] >= 3 and s.rebalance["rebalances"] >= 5
+    assert s.bytes_moved["rebalance"] > 0
+    assert s.residency["gpu"]["experts"] == len(hot)
+    for k, r in mgr.table.items():  # the table's invariants after many moves
+        assert r.pinned == (r.home is Home.GPU)
+        assert (r.home is Home.CPU) == (r.host_offset is not None)
+    offsets = [r.host_offset for _, r in mgr.table.items() if r.host_offset is not None]
+    assert len(offsets) == len(set(offsets)), "two warm experts share host bytes"
+    mgr.close()
+
+
+def test_a_held_hot_slot_is_not_swapped_until_released(packed_factory, truth):
+    mgr = manager(packed_factory("mixtral"), every=1, max_moves=1)
+    victim = min((k for k, r in mgr.table.items() if r.pinned and k.layer == 0), key=lambda k: k.expert)
+    newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
+    gen = mgr.serve_layer(0, [victim.expert])
+    next(gen)  # the victim's slot is held
+    mgr.rebalancer.window.count([newcomer] * 5)
+    mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+    mgr.rebalancer.land(wait=True)
+    assert mgr.table[victim].pinned, "swapped while held"
+    gen.close()
+    mgr.rebalancer.land(wait=True)
+    assert mgr.table[newcomer].pinned and not mgr.table[victim].pinned
+    drive(mgr, [(0, [newcomer.expert, victim.expert])], truth)
+    mgr.close()
+
+
+def test_hot_swap_forks_the_compute_stream_before_the_copy(packed_factory):
+    """The outgoing hot slot has no last-read event: the copy stream must wait on an event
+    recorded on the compute stream at the swap, before the copy into the slot is queued."""
+    from test_slots import Recorder, RecordingStreams
+
+    rec = Recorder()
+    streams = RecordingStreams(rec)
+    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": 1, "margin": 0.0, "max_moves": 1}}})
+    manifest = read_manifest(packed_factory("mixtral"))
+    mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
+    newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
+    mgr.rebalancer.window.count([newcomer] * 5)
+    start = len(rec.order)
+    mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+    mgr.rebalancer.land(wait=True)
+    assert mgr.table[newcomer].pinned
+    order = rec.order[start:]
+    fork = next(i for i, o in enumerate(order) if o[0] == "record" and o[1] is streams.compute)
+    waits = [i for i, o in enumerate(order) if o[0] == "wait" and o[1] is mgr.copy_stream and o[2] is order[fork][2]]
+    uses = [i for i, o in enumerate(order) if o[0] == "use" and o[1] is mgr.copy_stream]
+    assert waits and uses and fork < waits[0] < uses[-1]
+    mgr.close()
+
+
+def test_a_failed_warm_read_leaves_the_expert_on_disk(packed_factory, truth, monkeypatch):
+    mgr = manager(packed_factory("mixtral"), every=1)
+    cold = next(k for k, r in mgr.table.items() if r.home is Home.NVME)
+    warm = [k for k, r in mgr.table.items() if r.home is Home.CPU]
+    real = mgr.disk.read
+
+    def failing(key, precision, out):
+        if key == cold:
+            raise IntegrityError(f"checksum mismatch for {key}")
+        return real(key, precision, out)
+
+    monkeypatch.setattr(mgr.disk, "read", failing)
+    mgr.rebalancer.window.count([cold] * 9 + [k for k, r in mgr.table.items() if r.pinned] * 20)  # hot stays hot
+    moves = mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+    assert any(m.key == cold and m.to is Home.CPU for m in moves)
+    mgr.rebalancer.land(wait=True)
+    assert mgr.table[cold].home is Home.NVME
+    assert mgr.stats().rebalance["read_errors"] == 1
+    replaced = [k for k in warm if mgr.table[k].home is Home.NVME]
+    assert len(mgr.rebalancer.free_places[id(mgr.pool_of[cold.layer])]) == len(replaced), "its place is free again"
+    monkeypatch.setattr(mgr.disk, "read", real)
+    drive(mgr, [(cold.layer, [cold.expert])] + [(k.layer, [k.expert]) for k in replaced], truth)
+    mgr.close()
+
+
+def test_missing_precision_for_rebalancing_names_the_key(packed_factory):
+    packed = packed_factory("mixtral", ("bf16",))
+    cfg = {"tiers": {"gpu": {"fraction": 0.3}, "cpu": {"precision": "bf16", "budget": "1GiB"}, "nvme": {"precision": "int8"}}}
+    tiers.load(packed, cfg, device="cpu", progress=False)  # nothing is cold: int8 is not needed
+    cfg["tiers"]["rebalance"] = {"every_tokens": 8}  # ... until experts may be demoted to disk
+    with pytest.raises(ValueError, match=r"tiers\.rebalance: moving experts between tiers needs tiers\.nvme\.precision 'int8'"):
+        tiers.load(packed, cfg, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("compute", ["grouped", "eager"])
+def test_generate_with_rebalancing_is_bit_identical(compute, device, checkpoint_factory, packed_factory):
+    """All tiers bf16: moving experts between tiers while generating changes no logit."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("eager" if compute == "eager" else "grouped_mm")
+    cfg = {"tiers": BF16 | {"gpu": BF16["gpu"] | {"compute": compute, "staging_slots": 8, "fraction": 0.6},
+                            "rebalance": {"every_tokens": 2, "margin": 0.0, "window": 2}}}
+    model = tiers.load(packed_factory("mixtral"), cfg, device=device, progress=False)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3)).to(device)
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    a, b = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        assert torch.equal(x, y)
+    s = tiers.stats(model)
+    assert s.rebalance["rebalances"] >= 10 and s.rebalance["promoted_hot"] + s.rebalance["promoted_warm"] > 0
+    manager_of(model).close()

@@ -1,0 +1,308 @@
+"""Rolling routing statistics and the background rebalancer of the hot set, the cpu pool and nvme.
+
+Owns: per-expert lookup counts over a rolling window of tokens (``RoutingWindow``), the pure plan
+of which experts change tier (``plan_moves``), and carrying a plan out on the tier manager
+(``Rebalancer``) without stalling the compute stream:
+
+- to hot: the newcomer's packed blob (gpu precision) is read on a rebalance thread into a pinned
+  promotion buffer. Once it has landed and nobody holds the outgoing expert's hot slot, the copy
+  stream waits on an event recorded on the compute stream (kernels already queued may still read
+  the slot), the outgoing expert is demoted (it lives on disk again) and the newcomer is copied
+  into the same slot, so slot addresses never change;
+- to warm: the host bytes of the outgoing warm expert (or a free place) are taken first (the
+  outgoing expert lives on disk again), then the thread waits for every copy queued so far on
+  the copy stream (one may read those bytes) and reads the newcomer's blob into them; it becomes
+  warm only when its read has landed.
+
+Invariants: no bytes are overwritten while a queued copy or kernel may read them; every expert
+always has a home it can be served from (nvme until its new bytes have landed); the hot set
+keeps its slot count and the warm set its places, so both budgets hold; layers whose experts are
+all hot (served through static maps, without routing on the host) are left alone.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import quant
+from loader.layout import ExpertKey
+from tiers.config import Rebalance
+from tiers.disk_store import IntegrityError
+from tiers.residency import Home, Op
+
+
+class RoutingWindow:
+    """Lookups per expert over the last ``window`` intervals of ``every_tokens`` tokens."""
+
+    def __init__(self, every_tokens: int, window: int):
+        self.every = every_tokens
+        self.intervals: deque[Counter] = deque([Counter()], maxlen=window)
+        self.tokens = 0
+
+    def count(self, keys: Iterable[ExpertKey]) -> None:
+        self.intervals[-1].update(keys)
+
+    def frequency(self) -> Counter:
+        total: Counter = Counter()
+        for c in self.intervals:
+            total.update(c)
+        return total
+
+    def add_tokens(self, n: int) -> Counter | None:
+        """Count ``n`` tokens. When that closes an interval: the window's frequency (and a new
+        interval opens, the oldest dropping out); otherwise None."""
+        self.tokens += n
+        if self.tokens < self.every:
+            return None
+        self.tokens = 0
+        freq = self.frequency()
+        self.intervals.append(Counter())
+        return freq
+
+
+@dataclass(frozen=True)
+class Move:
+    key: ExpertKey
+    to: Home  # GPU (hot) or CPU (warm)
+    replaces: ExpertKey | None  # the expert whose hot slot or host bytes it takes; None: a free place
+
+
+@dataclass(frozen=True)
+class GroupState:
+    """One slot pool's experts as the planner sees them."""
+
+    keys: tuple[ExpertKey, ...]  # every expert the rebalancer may move (static layers excluded)
+    hot: frozenset[ExpertKey]
+    warm: frozenset[ExpertKey]
+    free_places: int  # warm places nobody holds
+    busy: frozenset[ExpertKey] = frozenset()  # in flight or held: not moved this time
+
+
+def _better(new: float, old: float, margin: float) -> bool:
+    return new > old * (1.0 + margin) and new >= old + 1
+
+
+def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: float) -> list[Move]:
+    """Promote the most used experts into the hot set and the warm pool, replacing the least used,
+    a newcomer only when used ``margin`` more often than what it replaces (no churn on noise).
+    At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic."""
+    desc = lambda ks: sorted(ks, key=lambda k: (-freq[k], k))  # noqa: E731
+    asc = lambda ks: sorted(ks, key=lambda k: (freq[k], k))  # noqa: E731
+    moves: list[Move] = []
+    hot = set(group.hot)
+    candidates = desc(k for k in group.keys if k not in hot and k not in group.busy)
+    for new, old in zip(candidates, asc(k for k in group.hot if k not in group.busy)):
+        if len(moves) >= max_moves or not _better(freq[new], freq[old], margin):
+            break
+        moves.append(Move(new, Home.GPU, old))
+        hot.discard(old)
+        hot.add(new)
+    promoted = {m.key for m in moves}
+    warm = [k for k in group.warm if k not in promoted]
+    free = group.free_places  # places freed by promotions from warm only free up when those land
+    # Experts hot now stay out even when demoted by this plan: they are hot until their swap lands.
+    outside = hot | group.hot | group.warm | group.busy
+    candidates = [k for k in desc(k for k in group.keys if k not in outside) if freq[k] > 0]
+    warm_moves: list[Move] = []
+    for new in candidates[: min(free, max_moves)]:
+        warm_moves.append(Move(new, Home.CPU, None))
+    for new, old in zip(candidates[len(warm_moves):], asc(k for k in warm if k not in group.busy)):
+        if len(warm_moves) >= max_moves or not _better(freq[new], freq[old], margin):
+            break
+        warm_moves.append(Move(new, Home.CPU, old))
+    return moves + warm_moves
+
+
+@dataclass
+class _HotRead:
+    future: Future
+    buffer: int
+    replaces: ExpertKey
+
+
+class Rebalancer:
+    """Carries plans out on a ``TierManager`` (duck-typed: its table, pools, host pool, disk,
+    streams and staging helpers). Called on the serving thread only; reads run on its own thread."""
+
+    BUFFERS = 2  # pinned promotion buffers: hot promotions in flight at once
+
+    @classmethod
+    def buffer_bytes(cls, manifest: Any, cfg: Any, placement: Any) -> int:
+        """Host bytes for the promotion buffers. Hot slots are refilled straight from them, so a
+        lossy gpu precision (which would need a transit buffer of its own) keeps the hot set as
+        loaded: 0, as without hot experts."""
+        gp = cfg.gpu.precision
+        if not cfg.rebalance.every_tokens or not placement.hot or not quant.get_scheme(gp).lossless:
+            return 0
+        return cls.BUFFERS * max(manifest.layers[L].blobs[gp].stride for L in manifest.layers)
+
+    def __init__(self, mgr: Any, cfg: Rebalance, *, threads: int):
+        self.mgr, self.cfg = mgr, cfg
+        self.window = RoutingWindow(cfg.every_tokens, cfg.window)
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiers-rebalance") if threads else None
+        size = self.buffer_bytes(mgr.manifest, mgr.cfg, mgr.placement) // self.BUFFERS
+        self.hot_moves = size > 0
+        self.buffers = [mgr.host.view(mgr.host.alloc(size), size) for _ in range(self.BUFFERS)] if size else []
+        self.buffer_busy: list[Any | None] = [None] * len(self.buffers)
+        self.hot_reads: dict[ExpertKey, _HotRead] = {}
+        self.warm_reads: dict[ExpertKey, tuple[Future, int]] = {}
+        self.free_places: dict[int, list[int]] = {id(p): [] for p in mgr.pools}
+        self.counts = {"rebalances": 0, "promoted_hot": 0, "promoted_warm": 0, "read_errors": 0}
+
+    # -- accounting ---------------------------------------------------------------------------
+    def movable(self, layer: int) -> bool:
+        return layer not in self.mgr.static_maps
+
+    def note_call(self, layer: int, keys: list[ExpertKey], tokens: int, first: bool) -> None:
+        """A layer call begins: count its lookups; at the first layer count its tokens, and when
+        an interval closes, plan and issue a rebalance. Then land whatever has finished."""
+        if not self.movable(layer):
+            return
+        if first:
+            freq = self.window.add_tokens(tokens)
+            if freq is not None:
+                self.rebalance(freq)
+        self.window.count(keys)
+        self.land()
+
+    # -- planning -----------------------------------------------------------------------------
+    def rebalance(self, freq: Counter) -> list[Move]:
+        mgr = self.mgr
+        self.counts["rebalances"] += 1
+        busy = set(self.hot_reads) | set(self.warm_reads) | {r.replaces for r in self.hot_reads.values()}
+        busy |= {v[1] for v in mgr.pending.values()}  # read-aheads in flight
+        issued = []
+        for pool in mgr.pools:
+            keys = tuple(k for k in mgr.keys_of[id(pool)] if self.movable(k.layer))
+            table = mgr.table
+            state = GroupState(
+                keys=keys,
+                hot=frozenset(k for k in keys if table[k].pinned),
+                warm=frozenset(k for k in keys if table[k].home is Home.CPU),
+                free_places=len(self.free_places[id(pool)]),
+                busy=frozenset(busy),
+            )
+            for move in plan_moves(freq, state, max_moves=self.cfg.max_moves, margin=self.cfg.margin):
+                if self._issue(move, pool):
+                    issued.append(move)
+        return issued
+
+    def _issue(self, move: Move, pool: Any) -> bool:
+        mgr = self.mgr
+        if move.to is Home.GPU:
+            if not self.hot_moves:
+                return False
+            free = [i for i in range(len(self.buffers)) if i not in {r.buffer for r in self.hot_reads.values()}]
+            if not free:
+                return False
+            i = free[0]
+            busy = self.buffer_busy[i]
+            if busy is not None:
+                busy.synchronize()  # the last promotion's copy up may still read this buffer
+                self.buffer_busy[i] = None
+            self.hot_reads[move.key] = _HotRead(self._submit(mgr.disk.read, move.key, mgr.cfg.gpu.precision, self.buffers[i]), i, move.replaces)
+            return True
+        if move.replaces is not None:
+            r = mgr.table[move.replaces]
+            if r.home is not Home.CPU:
+                return False
+            offset = r.host_offset
+            mgr.table.apply(move.replaces, Op.COOL)  # from now on it is served from disk
+        elif self.free_places[id(pool)]:
+            offset = self.free_places[id(pool)].pop()
+        else:
+            return False
+        fence = mgr.streams.event()
+        fence.record(mgr.copy_stream)  # copies queued so far may still read the bytes at ``offset``
+        cp = mgr.cfg.cpu.precision
+        dst = mgr.host.view(offset, mgr.manifest.ref(move.key, cp).nbytes)
+        self.warm_reads[move.key] = (self._submit(self._read_after, fence, move.key, cp, dst), offset)
+        return True
+
+    def _submit(self, fn, *args) -> Future:
+        if self.pool is not None:
+            return self.pool.submit(fn, *args)
+        f: Future = Future()  # no threads: read on the serving thread
+        try:
+            f.set_result(fn(*args))
+        except Exception as e:  # surfaces when the read is landed
+            f.set_exception(e)
+        return f
+
+    def _read_after(self, fence: Any, key: ExpertKey, precision: str, dst) -> None:
+        fence.synchronize()
+        self.mgr.disk.read(key, precision, dst)
+
+    # -- landing ------------------------------------------------------------------------------
+    def land(self, wait: bool = False) -> None:
+        """Finish every read that has landed (all of them, waiting, with ``wait``)."""
+        for key, (future, offset) in list(self.warm_reads.items()):
+            if wait or future.done():
+                del self.warm_reads[key]
+                self._finish_warm(key, future, offset)
+        for key, read in list(self.hot_reads.items()):
+            if wait or read.future.done():
+                if self._finish_hot(key, read):
+                    del self.hot_reads[key]
+
+    def _finish_warm(self, key: ExpertKey, future: Future, offset: int) -> None:
+        mgr = self.mgr
+        places = self.free_places[id(mgr.pool_of[key.layer])]
+        try:
+            future.result()
+        except IntegrityError:
+            self.counts["read_errors"] += 1
+            places.append(offset)
+            return
+        r = mgr.table[key]
+        if r.pinned or r.home is not Home.NVME:  # promoted to hot meanwhile: the place stays free
+            places.append(offset)
+            return
+        mgr.table.apply(key, Op.WARM, offset=offset)
+        self.counts["promoted_warm"] += 1
+
+    def _finish_hot(self, key: ExpertKey, read: _HotRead) -> bool:
+        """Swap ``key`` into the hot slot of ``read.replaces``. False: retry later (held now)."""
+        mgr = self.mgr
+        try:
+            read.future.result()
+        except IntegrityError:
+            self.counts["read_errors"] += 1
+            return True
+        pool = mgr.pool_of[key.layer]
+        out = mgr.table[read.replaces]
+        slot = out.slot
+        if pool.readers[slot] > 0:
+            return False
+        r = mgr.table[key]
+        if r.slot is not None:  # cached in a staging slot (or still loading into one): give it up
+            if (id(pool), r.slot) in mgr.pending:
+                mgr._complete((id(pool), r.slot))
+            if pool.readers[r.slot] > 0:
+                return False
+            mgr.drop_staged(pool, r.slot)
+            r = mgr.table[key]
+        freed = r.host_offset
+        fork = mgr.streams.event()
+        fork.record(mgr.streams.current())  # kernels queued so far may still read the outgoing expert
+        mgr.copy_stream.wait_event(fork)
+        mgr.table.apply(read.replaces, Op.DEMOTE)
+        mgr.table.apply(key, Op.PROMOTE, slot)
+        gp = mgr.cfg.gpu.precision
+        src = self.buffers[read.buffer][: mgr.manifest.ref(key, gp).nbytes]
+        self.buffer_busy[read.buffer] = mgr._stage(key, pool, slot, gp, "rebalance", src)
+        if freed is not None:
+            self.free_places[id(pool)].append(freed)
+        self.counts["promoted_hot"] += 1
+        return True
+
+    def report(self) -> dict[str, int]:
+        return dict(self.counts) | {"in_flight": len(self.hot_reads) + len(self.warm_reads)}
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        self.land(wait=True)
