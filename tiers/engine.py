@@ -3,10 +3,12 @@
 Owns: the residency table, the GPU slot pools, the pinned host pool, the disk store and the
 staging path between them, plus the stream and event discipline:
 
-- a miss claims a staging slot (LRU among slots nobody holds), the copy stream waits on that
-  slot's last-read event, the expert's blob goes host -> device on the copy stream (from the
-  pinned pool, or from disk through a pinned ring buffer) and is dequantized there into the
-  slot, and a ready event is recorded;
+- a miss claims a staging slot (the cache policy's victim among slots nobody holds), the copy
+  stream waits on that slot's last-read event, and the expert's blob goes host -> device in one
+  copy on the copy stream (from the pinned pool, or from disk through a pinned ring buffer):
+  straight into the slot when lossless, else into the slot's transit row, which a dequant
+  stream turns into the slot's weights while the copy stream moves on to the next blob; the
+  ready event is recorded after the last of these;
 - the compute stream waits on the ready event only right before the expert's first kernel;
 - after the expert's kernels are queued the slot's last-read event is recorded on the compute
   stream, and the slot may be reused only after that.
@@ -93,6 +95,9 @@ class TierManager:
         self.clock = clock
         self.timing = device.type == "cuda"
         self.copy_stream = self.streams.new_stream()
+        lossy = not all(quant.get_scheme(p).lossless for p in (cfg.cpu.precision, cfg.nvme.precision))
+        self.dequant_stream = self.streams.new_stream() if lossy else self.copy_stream
+        self.transit_done: dict[tuple[int, int], Any] = {}  # transit row -> its last dequantization's end
         self.stats_ = StatsCollector()
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
         self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
@@ -392,11 +397,24 @@ class TierManager:
             if quant.get_scheme(precision).lossless:
                 assert_pinned(src, self.device)
                 blob.dequantize_into(src, pool.tensors(slot))  # the H2D copies land straight in the slot
+                ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
             else:
-                transit = self.transit[id(pool)][slot - self.hot_count[id(pool)], : src.numel()]
+                row = (id(pool), slot - self.hot_count[id(pool)])
+                transit = self.transit[row[0]][row[1], : src.numel()]
+                done = self.transit_done.pop(row, None)
+                if done is not None:
+                    self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
                 copy_h2d_async(transit, src)
+                landed = self.streams.event()
+                landed.record(self.copy_stream)
+        if not quant.get_scheme(precision).lossless:
+            # Dequantize on a stream of its own, so the next expert's copy up overlaps this one's
+            # dequantization; ordered after the copy (and so after the slot's last read).
+            with self.streams.use(self.dequant_stream):
+                self.dequant_stream.wait_event(landed)
                 blob.dequantize_into(transit, pool.tensors(slot))
-        ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
+            ready = pool.end_write(slot, self.dequant_stream, event=self.streams.event(timing=self.timing))
+            self.transit_done[row] = ready
         if source == "nvme":
             self.ring_busy[(id(pool), slot)] = ready
         self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()

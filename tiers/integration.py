@@ -158,14 +158,14 @@ def tiers_grouped_experts_forward(
     if not hit:  # no routed expert: grouped_mm would leave every row unwritten
         return torch.zeros_like(hidden_states)
     held = mgr.acquire_layer(binding.layer, hit)
-    if held is not None:
-        _prefetch(binding)
     chunks = [hit] if held is not None else _chunks(mgr, binding.layer, hit)
     out = None
     for i, chunk in enumerate(chunks):
         if i > 0 or held is None:
             held = mgr.acquire_layer(binding.layer, chunk)
             assert held is not None, f"layer {binding.layer}: experts {chunk} do not fit the staging slots"
+        if i == len(chunks) - 1:  # the last part's copies are queued: stage the next layers behind them
+            _prefetch(binding)
         try:
             for h in held:
                 mgr.wait(h)
@@ -184,10 +184,12 @@ def tiers_grouped_experts_forward(
 
 
 def _chunks(mgr, layer: int, experts: list[int]) -> list[list[int]]:
-    """Split a layer's experts so each part fits: hot experts are free, every other one needs a
-    staging slot (an expert cached in a staging slot now may be evicted by the part's own misses)."""
+    """Split a layer's experts into parts of at most half the staging slots each (hot experts are
+    free; every other one needs a slot, since one cached now may be evicted by the part's own
+    misses). Half, so a part's copies go into slots the part before it is not reading: they are
+    queued behind that part's copies and overlap its kernels (double buffering)."""
     pool = mgr.pool_of[layer]
-    room = pool.n_slots - mgr.hot_count[id(pool)]
+    room = max(1, (pool.n_slots - mgr.hot_count[id(pool)]) // 2)
     parts, cur, misses = [], [], 0
     for e in experts:
         miss = not mgr.table[ExpertKey(layer, e)].pinned

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import tiers
+from loader.layout import ExpertKey
 from tiers.integration import manager_of
 
 INT8 = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 2}, "cpu": {"fraction": 0.4}, "nvme": {"precision": "int8"}}}
@@ -49,3 +50,65 @@ def test_cached_staging_slot_is_a_gpu_hit(packed_factory):
     s = mgr.stats()
     assert s.hits["gpu"] == before + 1
     assert s.gpu_slots["cached"] >= 1
+
+
+# -- the copy pipeline, observed through recording streams ----------------------------------------
+def _recorded_manager(packed, staging=4, cache="lru"):
+    from test_slots import Recorder, RecordingStreams
+
+    from loader.packed import read_manifest
+    from tiers.config import load_config
+    from tiers.engine import TierManager
+    from tiers.policy import plan_placement
+
+    rec = Recorder()
+    streams = RecordingStreams(rec)
+    cfg = load_config({"tiers": {"gpu": {"fraction": 0.4, "staging_slots": staging, "cache": cache}, "cpu": {"fraction": 0.5}}})
+    manifest = read_manifest(packed)
+    mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
+    return mgr, rec, streams
+
+
+def test_dequantization_runs_on_its_own_stream_after_the_copy(packed_factory):
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"))
+    assert len(streams.made) == 2 and mgr.dequant_stream is not mgr.copy_stream
+    for L in (0, 1, 2, 0, 1, 2):
+        for _ in mgr.serve_layer(L, list(range(8))):
+            pass
+    order = rec.order
+    recorded_on = {id(o[2]): o[1] for o in order if o[0] == "record"}
+    dq_waits = [o for o in order if o[0] == "wait" and o[1] is mgr.dequant_stream]
+    readies = [o for o in order if o[0] == "record" and o[1] is mgr.dequant_stream]
+    assert readies and len(dq_waits) == len(readies), "one wait per dequantization"
+    assert all(recorded_on[id(o[2])] is mgr.copy_stream for o in dq_waits), "the dequant stream waits on the copy only"
+    for i, o in enumerate(order):  # each such wait comes after its event was recorded
+        if o in dq_waits:
+            assert any(p[0] == "record" and p[2] is o[2] for p in order[:i])
+    # a transit row is rewritten only after its last dequantization: the copy stream waits on those
+    reused = [o for o in order if o[0] == "wait" and o[1] is mgr.copy_stream and recorded_on.get(id(o[2])) is mgr.dequant_stream]
+    staging = sum(p.n_slots - mgr.hot_count[id(p)] for p in mgr.pools)
+    assert len(reused) >= len(readies) - staging
+
+
+@pytest.mark.parametrize("cache", ["lru", "forecast"])
+def test_parts_of_a_layer_call_alternate_between_slot_halves(packed_factory, cache):
+    """More misses than staging slots: each part takes at most half the slots, and never the slots
+    the part just before it reads, so its copies do not wait for that part's kernels."""
+    import tiers.integration as integ
+
+    mgr, _, _ = _recorded_manager(packed_factory("mixtral"), staging=4, cache=cache)
+    layer = 1
+    misses = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].pinned]
+    assert len(misses) > 4
+    mgr.begin_call(layer, list(range(8)), 16)
+    parts = integ._chunks(mgr, layer, list(range(8)))
+    assert all(sum(not mgr.table[ExpertKey(layer, e)].pinned for e in p) <= 2 for p in parts)
+    previous: set[int] = set()
+    for part in parts:
+        held = mgr.acquire_layer(layer, part)
+        slots = {h.slot for h in held if not mgr.table[h.key].pinned}
+        assert not slots & previous, f"part {part} reuses the slots {slots & previous} of the part before"
+        for h in held:
+            mgr.wait(h)
+            mgr.release(h)
+        previous = slots
