@@ -19,6 +19,8 @@ import torch
 
 from loader.layout import ExpertKey
 
+_CHUNK = 512  # tokens whose random draws are made at once: bounds memory at CHUNK * layers * experts doubles
+
 
 @dataclass(frozen=True)
 class TraceModel:
@@ -46,21 +48,37 @@ class TraceModel:
         return torch.stack([base[torch.randperm(self.num_experts, generator=g)] for _ in range(self.num_layers)])
 
     def sample(self, tokens: int) -> torch.Tensor:
+        """[tokens, layers, top_k] expert indices drawn by the model above; the same for the same seed.
+
+        One step per token, every layer at once. Keep decisions are uniform draws below ``reuse_p``;
+        the fresh picks are the largest keys ``log(popularity) + Gumbel noise`` with the kept experts
+        masked out, which is the same as drawing them one at a time without replacement in
+        proportion to popularity (the Gumbel-top-k trick). Each row is the kept experts in the
+        previous row's order, then the fresh ones in draw order.
+        """
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        n_layers, k = self.num_layers, self.top_k
         g = torch.Generator().manual_seed(self.seed + 1)
-        pop = self.popularity()  # [L, E]
-        out = torch.empty(tokens, self.num_layers, self.top_k, dtype=torch.long)
-        prev: list[list[int]] = [[] for _ in range(self.num_layers)]
-        for t in range(tokens):
-            for layer in range(self.num_layers):
-                keep = [e for e in prev[layer] if torch.rand((), generator=g).item() < self.reuse_p]
-                w = pop[layer].clone()
-                if keep:
-                    w[keep] = 0.0
-                need = self.top_k - len(keep)
-                fresh = torch.multinomial(w, need, replacement=False, generator=g).tolist() if need else []
-                picks = keep + fresh
-                out[t, layer] = torch.tensor(picks)
-                prev[layer] = picks
+        log_pop = self.popularity().log()  # [L, E]
+        out = torch.empty(tokens, n_layers, k, dtype=torch.long)
+        pos = torch.arange(k)  # [k]
+        prev = torch.zeros(n_layers, k, dtype=torch.long)  # [L, k] the previous token's picks
+        for start in range(0, tokens, _CHUNK):
+            n = min(_CHUNK, tokens - start)
+            kept = torch.rand(n, n_layers, k, generator=g) < self.reuse_p  # [n, L, k] keep each previous pick?
+            if start == 0:
+                kept[0] = False  # the first token has no previous picks
+            u = torch.rand(n, n_layers, self.num_experts, dtype=torch.float64, generator=g)  # [n, L, E]
+            keys = log_pop - u.log_().neg_().log_()  # [n, L, E] log-popularity plus Gumbel(0, 1) noise, -log(-log u)
+            masks = torch.zeros(n, n_layers, k, dtype=torch.float64).masked_fill_(kept, float("-inf"))  # [n, L, k]
+            need = k - kept.sum(-1, keepdim=True)  # [n, L, 1] fresh picks per layer
+            take = torch.cat([kept, pos < need], -1)  # [n, L, 2k], exactly k per row: kept ones, then the first `need` fresh
+            for t in range(n):
+                key = keys[t].scatter_add_(1, prev, masks[t])  # [L, E]; a kept expert is not drawn again (picks are distinct)
+                fresh = key.topk(k, dim=1).indices  # [L, k] in draw order
+                prev = torch.cat([prev, fresh], 1)[take[t]].view(n_layers, k)  # [L, k] kept first, then fresh
+                out[start + t] = prev
         return out
 
 

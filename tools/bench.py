@@ -26,6 +26,7 @@ if __name__ == "__main__":  # run as a script: import the repo's packages, not t
     sys.path[:] = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
@@ -87,6 +88,35 @@ def prefill_seconds(model, ids, device, reps: int) -> float:
         return timed(lambda: model(ids), device, reps)
 
 
+def copy_sweep(device: torch.device, sizes: list[int], total: int = 512 << 20) -> list[dict]:
+    """H2D GB/s from pinned memory: ``n`` back-to-back async copies of ``size`` bytes on one stream
+    (how the engine issues one copy per expert) against one copy of the same ``n * size`` bytes."""
+    rows = []
+    for size in sizes:
+        n = max(1, total // size)
+        src = torch.empty(n * size, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(n * size, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+
+        def run(chunks: int) -> float:
+            step = n * size // chunks
+            times = []
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record(stream)
+                    for i in range(chunks):
+                        dst[i * step:(i + 1) * step].copy_(src[i * step:(i + 1) * step], non_blocking=True)
+                    end.record(stream)
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return n * size / statistics.median(times) / 1e9
+
+        rows.append({"size": size, "copies": n, "separate_gbps": run(n), "one_copy_gbps": run(1)})
+        del src, dst
+    return rows
+
+
 # -- the naive lazy arm: an experts implementation that moves each hit expert with .to() ---------
 
 def lazy_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -139,7 +169,9 @@ def run(args) -> dict:
     shape = dict(shapes[args.model])
     if args.layers:
         shape["layers"] = args.layers
-    arms = args.arms.split(",") if args.arms != "all" else ["all_gpu", "lazy", "accelerate"] + [f"tiers_{int(f * 100)}_{p}" for f, p in TIERS_ARMS]
+    arms = args.arms.split(",") if args.arms != "all" else (
+        ["all_gpu", "lazy", "accelerate"] + [f"tiers_{int(f * 100)}_{p}" for f, p in TIERS_ARMS]
+        + [f"{a}@skewed" for a in ("all_gpu", "tiers_25_int8", "tiers_50_int8")])
     if device.type != "cuda" and "accelerate" in arms:
         arms.remove("accelerate")  # its CPU offload hooks need a separate execution device
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tiers-bench-"))
@@ -150,6 +182,14 @@ def run(args) -> dict:
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "decode_tokens": args.tokens, "prefill_tokens": args.prefill, "arms": {}}
     bar = tqdm(total=len(arms) + 2, desc="bench", unit="step")
+    skew = dict(zipf_s=args.zipf, reuse_p=args.reuse, seed=0)
+    result["routing"] = {"uniform": "the random-weight routers", "skewed": {**skew, "model": "tiers.trace.TraceModel via tools.routing.TraceRouting"}}
+
+    def routed(m, name):
+        """Route ``m`` by the skewed trace for an arm named ``...@skewed``; a no-op context otherwise."""
+        from tools.routing import TraceRouting
+
+        return TraceRouting(m, **skew, tokens=max(4096, 2 * args.prefill)) if name.endswith("@skewed") else contextlib.nullcontext()
 
     model = build(args.model, shape, device)
     vocab = model.config.vocab_size
@@ -186,8 +226,10 @@ def run(args) -> dict:
         bar.update(1)
         save_partial()
 
-    if "all_gpu" in arms:
-        measure("all_gpu", model, {"experts_implementation": model.config._experts_implementation})
+    for name in ("all_gpu", "all_gpu@skewed"):
+        if name in arms:
+            with routed(model, name):
+                measure(name, model, {"experts_implementation": model.config._experts_implementation})
 
     t0 = time.perf_counter()
     if args.hf_dir:
@@ -241,10 +283,14 @@ def run(args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    def tiers_arm(cfg):
+    def tiers_arm(cfg, name):
         t0 = time.perf_counter()
         m = tiers.load(packed, cfg, device=device, progress=False)
         load_s = time.perf_counter() - t0
+        with routed(m, name):
+            return tiers_measure(m, load_s)
+
+    def tiers_measure(m, load_s):
         mgr = manager_of(m)
         # warm-up outside the counted window, then count one decode run
         decode_ms = decode_ms_per_token(m, prompt, args.tokens, device, reps)
@@ -260,9 +306,14 @@ def run(args) -> dict:
         lookups_n = sum(s.hits.values())
         hot = set(mgr.placement.hot)
         capacity = s.gpu_slots["staging"]
-        policy = lambda slots: make_cache(args.cache, slots)  # noqa: E731
+        layers_ = sorted(mgr.manifest.layers)
+        policy = lambda slots: make_cache(args.cache, slots, layers=layers_)  # noqa: E731
         replay_hits = replay(trace, capacity, hot, policy)
         opt_hits = belady_hits(trace, capacity, hot)
+        # the whole GPU tier (hot set, rebalancer and cache) against MIN over as many slots, on the
+        # lookups of the counted run
+        engine_hits = s.hits["gpu"]
+        all_slots = s.gpu_slots["hot"] + s.gpu_slots["staging"]
         extra = {
             "load_s": load_s,
             "residency": s.residency,
@@ -271,28 +322,32 @@ def run(args) -> dict:
             "stall_ms_per_token": s.stall_seconds / steps * 1e3,
             "gpu_hit_rate": s.hits["gpu"] / lookups_n if lookups_n else 0.0,
             "cache_hits_vs_belady": [replay_hits, opt_hits],
+            "gpu_hits_vs_belady": [engine_hits, belady_hits(trace, all_slots, set()), len(trace)],
+            "rebalance": s.rebalance,
             "prefetch": s.prefetch,
             "host_pinned": bool(s.memory["host_pinned"]),
         }
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        extra["prefill_s"] = prefill_seconds(m, prefill_ids, device, max(1, reps - 1))
+        mgr.stats_.reset()
+        prefill_reps = max(1, reps - 1)
+        extra["prefill_s"] = prefill_seconds(m, prefill_ids, device, prefill_reps)
+        extra["prefill_bytes_moved"] = sum(mgr.stats().bytes_moved.values()) / (prefill_reps + 1)  # timed() warms up once
         if device.type == "cuda":
             extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, **extra}
         mgr.close()
         return row
 
-    for frac, precision in TIERS_ARMS:
-        name = f"tiers_{int(frac * 100)}_{precision}"
-        if name not in arms:
-            continue
+    for name in [a for a in arms if a.startswith("tiers_")]:
+        frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
         # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
         cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute,
                                  "prefetch_depth": args.prefetch_depth},
-                         "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision}}}
+                         "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
+                         "rebalance": {"every_tokens": args.rebalance_every}}}
         try:
-            row = tiers_arm(cfg)
+            row = tiers_arm(cfg, name)
         except Exception as e:
             failed(name, e)
             continue
@@ -311,24 +366,38 @@ def run(args) -> dict:
     n_exp = next(iter(manifest.layers.values())).layout.num_experts
     tm_args = dict(num_layers=len(layers), num_experts=n_exp, top_k=top_k)
     replays = {}
-    for label, tm in (("uniform", dict(zipf_s=0.0, reuse_p=0.0)), ("skewed", dict(zipf_s=1.2, reuse_p=0.5))):
+    for label, tm in (("uniform", dict(zipf_s=0.0, reuse_p=0.0)), ("skewed", dict(zipf_s=args.zipf, reuse_p=args.reuse))):
         seq = lookups(TraceModel(**tm_args, **tm, seed=0).sample(256), layers)
         cap = max(1, int(0.25 * len(layers) * n_exp))
         row = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq)}
-        for pol in ("lru", "lfu"):
-            row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots)) / len(seq)
+        for pol in ("lru", "lfu", "forecast"):
+            row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots, layers=layers)) / len(seq)
         replays[label] = row
     result["cache_replay"] = replays
+    if device.type == "cuda" and args.copy_sweep:
+        blob = next(iter(manifest.layers.values())).blobs["int8"].stride
+        result["copy_sweep"] = copy_sweep(device, [1 << 20, blob, 16 << 20, 64 << 20, 256 << 20])
+    if args.cold_read_gb:
+        from tools import coldread
+
+        try:
+            result["cold_read"] = coldread.measure(packed, "int8", threads=args.reader_threads, limit_bytes=int(args.cold_read_gb * 1e9))
+        except Exception as e:  # reported, the rest of the results still land
+            result["cold_read"] = {"error": f"{type(e).__name__}: {e}"}
     bar.update(1)
     bar.close()
 
-    base = result["arms"].get("all_gpu", {}).get("decode_ms_per_token")
     for name, row in result["arms"].items():
-        if name.startswith("tiers") and base is not None:
+        base = result["arms"].get("all_gpu@skewed" if name.endswith("@skewed") else "all_gpu", {}).get("decode_ms_per_token")
+        if name.startswith("tiers") and base is not None and "error" not in row:
             moved = sum(row["bytes_moved_per_token"].values())
             row["bound_ms_per_token"] = base + moved / H2D_BYTES_PER_S * 1e3
             row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
             row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
+            base_prefill = result["arms"].get("all_gpu@skewed" if name.endswith("@skewed") else "all_gpu", {}).get("prefill_s")
+            if base_prefill is not None:
+                row["prefill_bound_s"] = max(base_prefill, row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
+                row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return result
@@ -338,26 +407,43 @@ def markdown(r: dict) -> str:
     mib = 2**20
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
              f"Command: `{r['command']}`", "",
-             f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; prefill: {r['prefill_tokens']} tokens.", "",
-             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | MiB moved/token (cpu, nvme) | H2D GB/s | GPU hit rate | prefetch accuracy | peak GPU GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; "
+             f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']}.", "",
+             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | prefill / bound | MiB moved/token (cpu, nvme, rebalance) "
+             "| H2D GB/s | GPU hit rate | GPU hits / Belady | prefetch accuracy | peak GPU GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in r["arms"].items():
+        if "error" in a:
+            lines.append(f"| {name} | error: {a['error']} |" + " |" * 11)
+            continue
         moved = a.get("bytes_moved_per_token")
+        vs = a.get("gpu_hits_vs_belady")
         lines.append("| " + " | ".join([
             name, f"{a['decode_ms_per_token']:.1f}", f"{a['decode_tok_s']:.2f}",
             f"{a['bound_ms_per_token']:.1f}" if "bound_ms_per_token" in a else "-",
             f"{a['overhead_over_bytes_bound']:.2f}" if a.get("overhead_over_bytes_bound") is not None else "-",
             f"{a['prefill_s']:.3f}",
-            f"{moved['cpu'] / mib:.1f}, {moved['nvme'] / mib:.1f}" if moved else "-",
+            f"{a['prefill_over_bound']:.2f}" if "prefill_over_bound" in a else "-",
+            f"{moved.get('cpu', 0) / mib:.1f}, {moved.get('nvme', 0) / mib:.1f}, {moved.get('rebalance', 0) / mib:.1f}" if moved else "-",
             f"{a['h2d_gbps']:.1f}" if "h2d_gbps" in a else "-",
             f"{a['gpu_hit_rate']:.2f}" if "gpu_hit_rate" in a else "-",
+            f"{vs[0] / vs[1]:.2f} ({vs[0]}/{vs[1]})" if vs and vs[1] else "-",
             f"{a['prefetch']['accuracy']:.2f}" if a.get("prefetch", {}).get("issued") else "-",
             f"{a['gpu_peak_bytes'] / 2**30:.1f}" if "gpu_peak_bytes" in a else "-",
         ]) + " |")
-    lines += ["", "Cache policy against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
-              "| trace | lookups | belady | lru | lfu |", "|---|---|---|---|---|"]
+    lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
+              "| trace | lookups | belady | lru | lfu | forecast | forecast / belady |", "|---|---|---|---|---|---|---|"]
     for label, row in r["cache_replay"].items():
-        lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | {row['lru']:.3f} | {row['lfu']:.3f} |")
+        lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | {row['lru']:.3f} | {row['lfu']:.3f} "
+                     f"| {row['forecast']:.3f} | {row['forecast'] / row['belady']:.3f} |")
+    if r.get("copy_sweep"):
+        lines += ["", "H2D from pinned memory, one stream: back-to-back copies of one size against one copy of the same bytes:", "",
+                  "| copy MiB | copies | separate GB/s | one copy GB/s |", "|---|---|---|---|"]
+        for row in r["copy_sweep"]:
+            lines.append(f"| {row['size'] / mib:.2f} | {row['copies']} | {row['separate_gbps']:.1f} | {row['one_copy_gbps']:.1f} |")
+    if r.get("cold_read"):
+        lines += ["", "Cold reads (page cache dropped) against O_DIRECT, same blobs, same run:", "", "```",
+                  json.dumps(r["cold_read"], indent=1), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -373,7 +459,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", type=int, default=4)
-    ap.add_argument("--cache", choices=["lru", "lfu"], default="lru")
+    ap.add_argument("--cache", choices=["forecast", "lru", "lfu"], default="forecast")
+    ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers: rebalance the tiers every this many tokens (0: off)")
+    ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
+    ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")
+    ap.add_argument("--copy-sweep", action="store_true", help="measure H2D GB/s per copy size (CUDA)")
+    ap.add_argument("--cold-read-gb", type=float, default=0.0, help="measure cold reads of this many GB against O_DIRECT (0: skip)")
+    ap.add_argument("--reader-threads", type=int, default=4)
     ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
     ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
     ap.add_argument("--device", default=None)

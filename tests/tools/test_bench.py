@@ -25,7 +25,7 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     replay_hits, optimum = t["cache_hits_vs_belady"]
     assert replay_hits <= optimum
     for row in r["cache_replay"].values():
-        assert row["lru"] <= row["belady"] and row["lfu"] <= row["belady"]
+        assert row["lru"] <= row["belady"] and row["lfu"] <= row["belady"] and row["forecast"] <= row["belady"]
     assert "| tiers_25_int8 |" in (tmp_path / "bench-mixtral-tiny.md").read_text()
 
 
@@ -42,3 +42,19 @@ def test_lazy_arm_computes_what_eager_computes():
         mod._lazy = {"gate_up_proj": mod.gate_up_proj.detach(), "down_proj": mod.down_proj.detach()}
         got = bench.lazy_experts_forward(mod, x, idx, w)
     assert torch.equal(want, got)
+
+
+def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
+    rc = bench.main(["--tiny", "--tokens", "4", "--prefill", "16", "--reps", "1", "--device", "cpu", "--rebalance-every", "2",
+                     "--arms", "all_gpu,all_gpu@skewed,tiers_25_int8@skewed", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
+    t = r["arms"]["tiers_25_int8@skewed"]
+    hits, optimum, lookups = t["gpu_hits_vs_belady"]
+    assert 0 < hits <= optimum <= lookups
+    assert t["rebalance"]["rebalances"] > 0
+    base = r["arms"]["all_gpu@skewed"]["decode_ms_per_token"]  # the bound of a skewed arm uses the skewed baseline
+    assert t["bound_ms_per_token"] == pytest.approx(base + sum(t["bytes_moved_per_token"].values()) / bench.H2D_BYTES_PER_S * 1e3)
+    assert t["prefill_bound_s"] >= r["arms"]["all_gpu@skewed"]["prefill_s"]
+    assert r["routing"]["skewed"]["zipf_s"] == 1.2
+    assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()
