@@ -221,6 +221,7 @@ def run(args) -> dict:
         if device.type == "cuda":
             row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         row.update(extra or {})
+        row["config"] = cfg
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
         bar.update(1)
@@ -345,12 +346,15 @@ def run(args) -> dict:
         cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute,
                                  "prefetch_depth": args.prefetch_depth},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
-                         "rebalance": {"every_tokens": args.rebalance_every}}}
+                         # the rebalancer follows skewed routing; under uniform routing it has nothing to
+                         # learn, and those arms keep the YAML default (off)
+                         "rebalance": {"every_tokens": args.rebalance_every if name.endswith("@skewed") else 0}}}
         try:
             row = tiers_arm(cfg, name)
         except Exception as e:
             failed(name, e)
             continue
+        row["config"] = cfg
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
         bar.update(1)
@@ -460,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", type=int, default=4)
     ap.add_argument("--cache", choices=["forecast", "lru", "lfu"], default="forecast")
-    ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers: rebalance the tiers every this many tokens (0: off)")
+    ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers @skewed arms: rebalance the tiers every this many tokens (0: off)")
     ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
     ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")
     ap.add_argument("--copy-sweep", action="store_true", help="measure H2D GB/s per copy size (CUDA)")
