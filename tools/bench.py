@@ -221,7 +221,6 @@ def run(args) -> dict:
         if device.type == "cuda":
             row["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
         row.update(extra or {})
-        row["config"] = cfg
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
         bar.update(1)
@@ -354,6 +353,7 @@ def run(args) -> dict:
         except Exception as e:
             failed(name, e)
             continue
+        row["config"] = cfg
         row["config"] = cfg
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
