@@ -170,12 +170,17 @@ class TierManager:
         # Layers whose every expert is hot need no routing on the host: a fixed expert -> slot map
         # on the device (sentinel: one past the last slot) lets them run without a sync.
         self.static_maps: dict[int, torch.Tensor] = {}
+        self.static_views: dict[int, dict[str, torch.Tensor]] = {}  # ... and when its slots are in a row, that row of the slabs
         for L, entry in manifest.layers.items():
             keys = [ExpertKey(L, e) for e in range(entry.layout.num_experts)]
             if all(self.table[k].pinned for k in keys):
                 pool = self.pool_of[L]
-                slots = [self.table[k].slot for k in keys] + [pool.n_slots]
-                self.static_maps[L] = torch.tensor(slots, dtype=torch.long, device=device)
+                slots = [self.table[k].slot for k in keys]
+                self.static_maps[L] = torch.tensor(slots + [pool.n_slots], dtype=torch.long, device=device)
+                if slots == list(range(slots[0], slots[0] + len(slots))):
+                    # expert e is slab row slots[0] + e: the layer runs on views with its own expert
+                    # ids, exactly as the untiered module (no id map, grouped_mm over its own experts)
+                    self.static_views[L] = {n: slab[slots[0] : slots[0] + len(slots)] for n, slab in pool.slabs.items()}
         self._static_hits = torch.zeros((), dtype=torch.long, device=device)  # lookups on static layers, counted on the device
         self.first_layer = min((L for L in manifest.layers if L not in self.static_maps), default=None)
         self.rebalancer = (

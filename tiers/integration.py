@@ -149,8 +149,11 @@ def tiers_grouped_experts_forward(
     mgr = binding.manager
     static = mgr.static_maps.get(binding.layer)
     if static is not None:  # every expert of this layer is hot: no sync, no staging, no events
-        pool = mgr.pool_of[binding.layer]
         mgr.count_static(binding.layer, top_k_index)
+        view = mgr.static_views.get(binding.layer)
+        if view is not None:
+            return grouped_mm_experts_forward(_SlotExperts(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
+        pool = mgr.pool_of[binding.layer]
         return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
     with torch.no_grad():
         hit = _route(self, binding, hidden_states, top_k_index)

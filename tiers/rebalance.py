@@ -5,10 +5,13 @@ of which experts change tier (``plan_moves``), and carrying a plan out on the ti
 (``Rebalancer``) without stalling the compute stream:
 
 - to hot: the newcomer's packed blob (gpu precision) is read on a rebalance thread into a pinned
-  promotion buffer. Once it has landed and nobody holds the outgoing expert's hot slot, the copy
-  stream waits on an event recorded on the compute stream (kernels already queued may still read
-  the slot), the outgoing expert is demoted (it lives on disk again) and the newcomer is copied
-  into the same slot, so slot addresses never change;
+  promotion buffer, and the outgoing expert's cpu blob into a spare warm place. Once both have
+  landed and nobody holds the outgoing expert's hot slot, the copy stream waits on an event
+  recorded on the compute stream (kernels already queued may still read the slot), the outgoing
+  expert becomes warm at the spare place (never a disk read on the serving path), and the
+  newcomer is copied into the same slot, so slot addresses never change. The newcomer's old warm
+  place becomes the spare; a newcomer from disk instead cools the least used warm expert, whose
+  place becomes the spare, so the warm set keeps its size;
 - to warm: the host bytes of the outgoing warm expert (or a free place) are taken first (the
   outgoing expert lives on disk again), then the thread waits for every copy queued so far on
   the copy stream (one may read those bytes) and reads the newcomer's blob into them; it becomes
@@ -118,9 +121,11 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
 
 @dataclass
 class _HotRead:
-    future: Future
+    future: Future  # the newcomer's gpu blob -> promotion buffer
     buffer: int
     replaces: ExpertKey
+    spare: int  # host offset the outgoing expert's cpu blob is read into
+    out_future: Future
 
 
 class Rebalancer:
@@ -134,18 +139,28 @@ class Rebalancer:
         """Host bytes for the promotion buffers. Hot slots are refilled straight from them, so a
         lossy gpu precision (which would need a transit buffer of its own) keeps the hot set as
         loaded: 0, as without hot experts."""
-        gp = cfg.gpu.precision
+        gp, cp = cfg.gpu.precision, cfg.cpu.precision
         if not cfg.rebalance.every_tokens or not placement.hot or not quant.get_scheme(gp).lossless:
             return 0
-        return cls.BUFFERS * max(manifest.layers[L].blobs[gp].stride for L in manifest.layers)
+        promote = cls.BUFFERS * max(manifest.layers[L].blobs[gp].stride for L in manifest.layers)
+        return promote + cls.BUFFERS * sum(cls.spare_bytes(manifest, cp, g.layers) for g in placement.groups)
+
+    @staticmethod
+    def spare_bytes(manifest: Any, precision: str, layers: Iterable[int]) -> int:
+        return max(manifest.layers[L].blobs[precision].stride for L in layers)
 
     def __init__(self, mgr: Any, cfg: Rebalance, *, threads: int):
         self.mgr, self.cfg = mgr, cfg
         self.window = RoutingWindow(cfg.every_tokens, cfg.window)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiers-rebalance") if threads else None
-        size = self.buffer_bytes(mgr.manifest, mgr.cfg, mgr.placement) // self.BUFFERS
-        self.hot_moves = size > 0
-        self.buffers = [mgr.host.view(mgr.host.alloc(size), size) for _ in range(self.BUFFERS)] if size else []
+        self.hot_moves = self.buffer_bytes(mgr.manifest, mgr.cfg, mgr.placement) > 0
+        self.buffers, self.spares = [], {id(p): [] for p in mgr.pools}  # spares: per pool, free warm places for demotions
+        if self.hot_moves:
+            size = max(mgr.manifest.layers[L].blobs[mgr.cfg.gpu.precision].stride for L in mgr.manifest.layers)
+            self.buffers = [mgr.host.view(mgr.host.alloc(size), size) for _ in range(self.BUFFERS)]
+            for p in mgr.pools:
+                layers = {k.layer for k in mgr.keys_of[id(p)]}
+                self.spares[id(p)] = [mgr.host.alloc(self.spare_bytes(mgr.manifest, mgr.cfg.cpu.precision, layers)) for _ in range(self.BUFFERS)]
         self.buffer_busy: list[Any | None] = [None] * len(self.buffers)
         self.hot_reads: dict[ExpertKey, _HotRead] = {}
         self.warm_reads: dict[ExpertKey, tuple[Future, int]] = {}
@@ -196,14 +211,21 @@ class Rebalancer:
             if not self.hot_moves:
                 return False
             free = [i for i in range(len(self.buffers)) if i not in {r.buffer for r in self.hot_reads.values()}]
-            if not free:
+            spares = self.spares[id(pool)]
+            if not free or not spares:
                 return False
             i = free[0]
             busy = self.buffer_busy[i]
             if busy is not None:
                 busy.synchronize()  # the last promotion's copy up may still read this buffer
                 self.buffer_busy[i] = None
-            self.hot_reads[move.key] = _HotRead(self._submit(mgr.disk.read, move.key, mgr.cfg.gpu.precision, self.buffers[i]), i, move.replaces)
+            spare = spares.pop()
+            fence = mgr.streams.event()
+            fence.record(mgr.copy_stream)  # copies queued so far may still read the spare's old bytes
+            cp = mgr.cfg.cpu.precision
+            out = self._submit(self._read_after, fence, move.replaces, cp, mgr.host.view(spare, mgr.manifest.ref(move.replaces, cp).nbytes))
+            self.hot_reads[move.key] = _HotRead(self._submit(mgr.disk.read, move.key, mgr.cfg.gpu.precision, self.buffers[i]), i,
+                                                move.replaces, spare, out)
             return True
         if move.replaces is not None:
             r = mgr.table[move.replaces]
@@ -244,7 +266,7 @@ class Rebalancer:
                 del self.warm_reads[key]
                 self._finish_warm(key, future, offset)
         for key, read in list(self.hot_reads.items()):
-            if wait or read.future.done():
+            if wait or (read.future.done() and read.out_future.done()):
                 if self._finish_hot(key, read):
                     del self.hot_reads[key]
 
@@ -267,14 +289,17 @@ class Rebalancer:
     def _finish_hot(self, key: ExpertKey, read: _HotRead) -> bool:
         """Swap ``key`` into the hot slot of ``read.replaces``. False: retry later (held now)."""
         mgr = self.mgr
+        pool = mgr.pool_of[key.layer]
+        spares = self.spares[id(pool)]
         try:
             read.future.result()
         except IntegrityError:
+            read.out_future.exception()  # let the other read finish before its place is reused
             self.counts["read_errors"] += 1
+            spares.append(read.spare)
             return True
-        pool = mgr.pool_of[key.layer]
-        out = mgr.table[read.replaces]
-        slot = out.slot
+        out_ok = read.out_future.exception() is None
+        slot = mgr.table[read.replaces].slot
         if pool.readers[slot] > 0:
             return False
         r = mgr.table[key]
@@ -290,12 +315,25 @@ class Rebalancer:
         fork.record(mgr.streams.current())  # kernels queued so far may still read the outgoing expert
         mgr.copy_stream.wait_event(fork)
         mgr.table.apply(read.replaces, Op.DEMOTE)
+        if out_ok:  # its cpu blob is in place already: it is served from the host pool from now on
+            mgr.table.apply(read.replaces, Op.WARM, offset=read.spare)
+        else:
+            self.counts["read_errors"] += 1
+            spares.append(read.spare)
         mgr.table.apply(key, Op.PROMOTE, slot)
         gp = mgr.cfg.gpu.precision
         src = self.buffers[read.buffer][: mgr.manifest.ref(key, gp).nbytes]
         self.buffer_busy[read.buffer] = mgr._stage(key, pool, slot, gp, "rebalance", src)
         if freed is not None:
-            self.free_places[id(pool)].append(freed)
+            spares.append(freed)
+        elif out_ok:  # the warm set grew by one: cool its least used expert to keep the cpu budget
+            freq = self.window.frequency()
+            busy = set(self.hot_reads) | set(self.warm_reads) | {h.replaces for h in self.hot_reads.values()}
+            warm = [k for k in mgr.keys_of[id(pool)] if mgr.table[k].home is Home.CPU and k not in busy]
+            if warm:
+                coldest = min(warm, key=lambda k: (freq[k], k))
+                spares.append(mgr.table[coldest].host_offset)
+                mgr.table.apply(coldest, Op.COOL)
         self.counts["promoted_hot"] += 1
         return True
 

@@ -238,6 +238,15 @@ def test_all_hot_layers_take_the_static_path(device, checkpoint_factory, packed_
     s = tiers.stats(model)
     assert s.hits == {"gpu": sum(seen), "cpu": 0, "nvme": 0}
     assert s.misses["gpu"] == 0
+    # loaded in order, each layer's slots are in a row: it runs on views of the slabs (no copy, own ids)
+    assert sorted(mgr.static_views) == sorted(mgr.static_maps)
+    for L, view in mgr.static_views.items():
+        pool = mgr.pool_of[L]
+        for name, t in view.items():
+            assert t.data_ptr() == pool.slabs[name][mgr.static_maps[L][0]].data_ptr()
+    mgr.static_views.clear()  # the general form: an expert -> slot map over the whole slab
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
 
 
 def test_missing_config_json_is_named(tmp_path, packed_factory):
