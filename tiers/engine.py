@@ -360,11 +360,9 @@ class TierManager:
             self._complete(ring_key)
 
     def pump(self) -> None:
-        """Queue the copies of every read-ahead and rebalance read that has landed; never blocks."""
+        """Queue the copies of every read-ahead that has landed; never blocks."""
         for ring_key in [k for k, v in self.pending.items() if v[0].done()]:
             self._complete(ring_key)
-        if self.rebalancer is not None:
-            self.rebalancer.land()
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
         self.predicted[layer] = set(experts)

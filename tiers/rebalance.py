@@ -172,16 +172,17 @@ class Rebalancer:
         return layer not in self.mgr.static_maps
 
     def note_call(self, layer: int, keys: list[ExpertKey], tokens: int, first: bool) -> None:
-        """A layer call begins: count its lookups; at the first layer count its tokens, and when
-        an interval closes, plan and issue a rebalance. Then land whatever has finished."""
+        """A layer call begins: count its lookups. At the first layer (between forwards), land
+        whatever has finished, count the tokens, and when an interval closes plan and issue a
+        rebalance. Swaps land only there, never inside a forward (a long prefill included)."""
         if not self.movable(layer):
             return
         if first:
+            self.land()
             freq = self.window.add_tokens(tokens)
             if freq is not None:
                 self.rebalance(freq)
         self.window.count(keys)
-        self.land()
 
     # -- planning -----------------------------------------------------------------------------
     def rebalance(self, freq: Counter) -> list[Move]:

@@ -10,7 +10,10 @@ layers, by default), saves and packs it, then measures each arm in one run:
 - ``lazy``: experts in pageable CPU memory, each hit expert moved with ``.to()`` when used;
 - ``accelerate``: ``accelerate.dispatch_model`` with the experts modules on "cpu";
 - ``tiers_<gpu%>_<cpu precision>``: Tiers at a GPU budget of 100%, 50% and 25% of expert bytes,
-  the rest warm in pinned RAM (INT8 or bf16).
+  the rest warm in pinned RAM (INT8 or bf16); ``tiers_0_<precision>`` holds only the staging
+  slots, the same GPU budget for experts as the lazy and accelerate arms;
+- ``<arm>@skewed``: the same arm routed by a skewed, sticky trace (``tools.routing``), with the
+  rebalancer on for Tiers.
 
 Per arm: decode ms/token and tok/s at batch 1, prefill time, bytes moved per token per source
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
@@ -292,8 +295,26 @@ def run(args) -> dict:
 
     def tiers_measure(m, load_s):
         mgr = manager_of(m)
-        # warm-up outside the counted window, then count one decode run
-        decode_ms = decode_ms_per_token(m, prompt, args.tokens, device, reps)
+        kw = dict(do_sample=False, pad_token_id=0)
+        gen = lambda n: m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
+        gen(args.warmup_tokens)  # warm-up: kernels, caches, and (skewed arms) the rebalancer's first rounds
+        gen(1)
+        # Decode as in decode_ms_per_token, (generate 1 + T) - (generate 1), and the bytes moved the
+        # same way, so the prompt's prefill cancels out of both the time and the bound.
+        runs: dict[int, list] = {1: [], args.tokens + 1: []}
+        for _ in range(reps):
+            for n in runs:
+                sync(device)
+                mgr.stats_.reset()
+                t0 = time.perf_counter()
+                gen(n)
+                sync(device)
+                runs[n].append((time.perf_counter() - t0, dict(mgr.stats().bytes_moved)))
+        one, full = runs[1], runs[args.tokens + 1]
+        decode_ms = (statistics.median(t for t, _ in full) - statistics.median(t for t, _ in one)) / args.tokens * 1e3
+        sources = {k for _, b in one + full for k in b}
+        decode_moved = {k: max(0.0, (statistics.mean(b.get(k, 0) for _, b in full) - statistics.mean(b.get(k, 0) for _, b in one)) / args.tokens)
+                        for k in sources}
         mgr.stats_.reset()
         mgr.recorded = []
         m.generate(prompt, max_new_tokens=args.tokens + 1, min_new_tokens=args.tokens + 1, do_sample=False, pad_token_id=0)
@@ -302,7 +323,7 @@ def run(args) -> dict:
         trace = mgr.recorded
         mgr.recorded = None
         steps = args.tokens + 1
-        moved = {k: v / steps for k, v in s.bytes_moved.items()}
+        moved = decode_moved
         lookups_n = sum(s.hits.values())
         hot = set(mgr.placement.hot)
         capacity = s.gpu_slots["staging"]
@@ -342,8 +363,13 @@ def run(args) -> dict:
     for name in [a for a in arms if a.startswith("tiers_")]:
         frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
         # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
-        cfg = {"tiers": {"gpu": {"fraction": frac, "staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute,
-                                 "prefetch_depth": args.prefetch_depth},
+        gpu = {"fraction": frac}
+        if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
+            entry = next(iter(read_manifest(packed).layers.values()))
+            transit = entry.blobs[precision].stride if precision != "bf16" else 0
+            gpu = {"budget": args.staging_slots * (entry.layout.nbytes() + transit)}
+        cfg = {"tiers": {"gpu": gpu | {"staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute,
+                                       "prefetch_depth": args.prefetch_depth},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
                          # the rebalancer follows skewed routing; under uniform routing it has nothing to
                          # learn, and those arms keep the YAML default (off)
@@ -470,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--copy-sweep", action="store_true", help="measure H2D GB/s per copy size (CUDA)")
     ap.add_argument("--cold-read-gb", type=float, default=0.0, help="measure cold reads of this many GB against O_DIRECT (0: skip)")
     ap.add_argument("--reader-threads", type=int, default=4)
+    ap.add_argument("--warmup-tokens", type=int, default=32, help="Tiers arms: tokens generated before timing")
     ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
     ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
     ap.add_argument("--device", default=None)

@@ -295,3 +295,17 @@ def test_a_demoted_hot_expert_is_warm_at_once(packed_factory, truth, monkeypatch
     after = mgr.stats().hits
     assert after["nvme" if fail_out else "cpu"] == before["nvme" if fail_out else "cpu"] + 1
     mgr.close()
+
+
+def test_swaps_land_between_forwards_only(packed_factory, truth):
+    mgr = manager(packed_factory("mixtral"), every=1, max_moves=1)
+    newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
+    mgr.rebalancer.window.count([newcomer] * 5 + [k for k, r in mgr.table.items() if r.pinned and k.layer != 0] * 20)
+    mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+    for f in [r.future for r in mgr.rebalancer.hot_reads.values()] + [r.out_future for r in mgr.rebalancer.hot_reads.values()]:
+        f.result()  # the reads have landed
+    drive(mgr, [(1, [0, 1]), (2, [3])], truth)  # later layers of a forward: nothing is swapped
+    assert not mgr.table[newcomer].pinned and mgr.rebalancer.hot_reads
+    drive(mgr, [(0, [5])], truth)  # the next forward begins
+    assert mgr.table[newcomer].pinned
+    mgr.close()

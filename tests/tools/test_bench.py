@@ -11,10 +11,11 @@ from tools import bench
 
 def test_tiny_bench_runs_and_reports(tmp_path):
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu",
-                     "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8", "--out", str(tmp_path)])
+                     "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8,tiers_0_int8", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
-    assert set(r["arms"]) == {"all_gpu", "lazy", "tiers_100_bf16", "tiers_25_int8"}
+    assert set(r["arms"]) == {"all_gpu", "lazy", "tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"}
+    assert r["arms"]["tiers_0_int8"]["residency"]["gpu"]["experts"] == 0  # staging slots only, like the lazy arm
     assert not (tmp_path / "bench-mixtral.partial.json").exists()
     base = r["arms"]["all_gpu"]["decode_ms_per_token"]
     t = r["arms"]["tiers_25_int8"]
