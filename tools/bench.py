@@ -417,19 +417,26 @@ def run(args) -> dict:
     bar.update(1)
     bar.close()
 
+    add_bounds(result)
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def add_bounds(result: dict) -> dict:
+    """Per Tiers arm: the decode bound (all-GPU ms/token of the same routing + moved bytes / 55 GB/s),
+    the overhead over it, and the prefill bound max(all-GPU prefill, prefill bytes / 55 GB/s)."""
     for name, row in result["arms"].items():
-        base = result["arms"].get("all_gpu@skewed" if name.endswith("@skewed") else "all_gpu", {}).get("decode_ms_per_token")
+        baseline = result["arms"].get("all_gpu@skewed" if name.endswith("@skewed") else "all_gpu", {})
+        base = baseline.get("decode_ms_per_token")
         if name.startswith("tiers") and base is not None and "error" not in row:
             moved = sum(row["bytes_moved_per_token"].values())
             row["bound_ms_per_token"] = base + moved / H2D_BYTES_PER_S * 1e3
             row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
             row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
-            base_prefill = result["arms"].get("all_gpu@skewed" if name.endswith("@skewed") else "all_gpu", {}).get("prefill_s")
-            if base_prefill is not None:
-                row["prefill_bound_s"] = max(base_prefill, row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
+            if baseline.get("prefill_s") is not None:
+                row["prefill_bound_s"] = max(baseline["prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
                 row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
     return result
 
 
@@ -461,9 +468,10 @@ def markdown(r: dict) -> str:
             f"{a['prefetch']['accuracy']:.2f}" if a.get("prefetch", {}).get("issued") else "-",
             f"{a['gpu_peak_bytes'] / 2**30:.1f}" if "gpu_peak_bytes" in a else "-",
         ]) + " |")
-    lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
-              "| trace | lookups | belady | lru | lfu | forecast | forecast / belady |", "|---|---|---|---|---|---|---|"]
-    for label, row in r["cache_replay"].items():
+    if r.get("cache_replay"):
+        lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
+                  "| trace | lookups | belady | lru | lfu | forecast | forecast / belady |", "|---|---|---|---|---|---|---|"]
+    for label, row in r.get("cache_replay", {}).items():
         lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | {row['lru']:.3f} | {row['lfu']:.3f} "
                      f"| {row['forecast']:.3f} | {row['forecast'] / row['belady']:.3f} |")
     if r.get("copy_sweep"):
