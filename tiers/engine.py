@@ -32,10 +32,11 @@ import quant
 from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
-from tiers.disk_store import DiskStore, IntegrityError
+from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned, copy_h2d_async
 from tiers.cache import LruSlots, make_cache
 from tiers.policy import Placement
+from tiers.prefetch import Prefetcher
 from tiers.rebalance import Rebalancer
 from tiers.residency import Home, Op, Residency, ResidencyTable
 from tiers.slots import SlotPool
@@ -75,7 +76,7 @@ class Handle:
         return self.pool.tensors(self.slot)
 
 
-class TierManager:
+class TierManager(Prefetcher):
     def __init__(
         self,
         manifest: Manifest,
@@ -293,86 +294,6 @@ class TierManager:
         if busy is not None:
             busy.synchronize()  # the host must not overwrite pinned bytes an earlier H2D may still read
         return self.ring[(id(pool), slot)][:nbytes]
-
-    def prefetch(self, layer: int, experts: list[int]) -> int:
-        """Stage predicted experts of a later layer into staging slots nobody holds, without holding
-        them: a later lookup finds them resident (or still loading, and waits on their event).
-        Stages at most as many as there are unheld staging slots, so it never evicts its own work."""
-        pool = self.pool_of[layer]
-        lru = self.cache[id(pool)]
-        free = sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
-        issued = 0
-        for e in experts:
-            if issued >= free:
-                break
-            key = ExpertKey(layer, e)
-            r = self.table[key]
-            if r.slot is not None:
-                continue
-            if r.home is Home.NVME and self.reader_threads is not None:
-                if not self._read_ahead(key, pool, lru):
-                    break
-            elif self._claim_and_stage(key, r, pool, lru) is None:
-                break
-            self.prefetched[key] = src_bytes = self.manifest.ref(key, self._precision_of(r)).nbytes
-            self.stats_.prefetch_issued += 1
-            self.stats_.prefetch_bytes += src_bytes
-            issued += 1
-        return issued
-
-    def _read_ahead(self, key: ExpertKey, pool: SlotPool, lru: LruSlots) -> bool:
-        """Claim a slot for a cold ``key`` and read its blob on a reader thread; the copy up is
-        queued when the read lands (``pump`` or the next lookup of ``key``)."""
-        slot = lru.victim(pool.readers)
-        if slot is None:
-            return False
-        precision = self.cfg.nvme.precision
-        src = self._ring(pool, slot, self.manifest.ref(key, precision).nbytes)
-        self._evict_owner(pool, slot)
-        pool.owner[slot] = key
-        self.table.apply(key, Op.STAGE, slot)
-        lru.assign(slot, key)
-        pool.hold(slot)  # the reader thread owns the ring buffer; nobody may take the slot meanwhile
-        self.pending[(id(pool), slot)] = (self.reader_threads.submit(self.disk.read, key, precision, src), key, precision, src, pool)
-        self.stats_.async_reads += 1
-        return True
-
-    def _complete(self, ring_key: tuple[int, int]) -> None:
-        """Land one read-ahead: queue its copy up, or undo it if the read failed (a later demand
-        read of the expert raises the error where it is needed)."""
-        future, key, precision, src, pool = self.pending.pop(ring_key)
-        slot = ring_key[1]
-        try:
-            future.result()
-        except IntegrityError:
-            pool.end_read(slot, None, record=False)
-            self.table.apply(key, Op.EVICT)
-            pool.owner[slot] = None
-            self.prefetched.pop(key, None)
-            self.stats_.async_read_errors += 1
-            return
-        pool.end_read(slot, None, record=False)
-        self._stage(key, pool, slot, precision, "nvme", src)
-
-    def drain(self) -> None:
-        """Land every read-ahead, waiting for those still in flight."""
-        for ring_key in list(self.pending):
-            self._complete(ring_key)
-
-    def pump(self) -> None:
-        """Queue the copies of every read-ahead that has landed; never blocks."""
-        for ring_key in [k for k, v in self.pending.items() if v[0].done()]:
-            self._complete(ring_key)
-
-    def note_prediction(self, layer: int, experts: list[int]) -> None:
-        self.predicted[layer] = set(experts)
-
-    def note_used(self, layer: int, experts: list[int]) -> None:
-        """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""
-        predicted = self.predicted.pop(layer, None)
-        if predicted is not None:
-            self.stats_.prefetch_correct += len(predicted.intersection(experts))
-            self.stats_.prefetch_used_total += len(experts)
 
     def _precision_of(self, r: Residency) -> str:
         return self.cfg.cpu.precision if r.home is Home.CPU else self.cfg.nvme.precision

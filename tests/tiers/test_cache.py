@@ -1,8 +1,6 @@
 """Cache policies against Belady's MIN, and the synthetic trace model."""
 from __future__ import annotations
 
-import itertools
-import random
 
 import pytest
 import torch

@@ -5,7 +5,6 @@ served from any tier, before or after a move, must equal its packed weights exac
 """
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
@@ -16,9 +15,9 @@ from hypothesis import strategies as st
 import tiers
 from loader.layout import ExpertKey
 from loader.packed import read_manifest
-from tiers.config import Rebalance, load_config
+from tiers.config import load_config
 from tiers.disk_store import DiskStore, IntegrityError
-from tiers.engine import Streams, TierManager
+from tiers.engine import TierManager
 from tiers.integration import manager_of
 from tiers.policy import plan_placement
 from tiers.rebalance import GroupState, Move, RoutingWindow, plan_moves
