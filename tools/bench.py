@@ -268,8 +268,6 @@ def run(args) -> dict:
             failed("lazy", e)
 
     if "accelerate" in arms:
-        from accelerate import dispatch_model
-
         for name, m in mods.values():
             for n, t in cpu_experts[name].items():
                 m._parameters[n] = torch.nn.Parameter(t, requires_grad=False)
@@ -277,6 +275,8 @@ def run(args) -> dict:
         model.set_experts_implementation(default_impl)
         device_map = {"": device.index or 0} | {name: "cpu" for name, _ in mods.values()}
         try:
+            from accelerate import dispatch_model  # the baseline only: pip install -e ".[bench]"
+
             model = dispatch_model(model, device_map=device_map, main_device=device.index or 0)
             measure("accelerate", model, slow=True)
         except Exception as e:
