@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiers
@@ -308,3 +308,54 @@ def test_swaps_land_between_forwards_only(packed_factory, truth):
     drive(mgr, [(0, [5])], truth)  # the next forward begins
     assert mgr.table[newcomer].pinned
     mgr.close()
+
+
+# -- the whole engine under random calls, rebalances and landings ---------------------------------
+engine_steps = st.lists(
+    st.one_of(
+        st.tuples(st.just("call"), st.integers(0, 2), st.sets(st.integers(0, 7), min_size=1, max_size=4)),
+        st.tuples(st.just("favour"), st.integers(0, 2), st.integers(0, 7)),
+        st.tuples(st.just("rebalance"), st.booleans()),  # True: wait for every read first
+        st.tuples(st.just("prefetch"), st.integers(0, 2), st.sets(st.integers(0, 7), max_size=3)),
+    ),
+    min_size=1, max_size=30,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])  # truth is read-only
+@given(steps=engine_steps)
+def test_random_calls_and_moves_keep_every_invariant(packed_factory, truth, steps):
+    """Calls serve exact weights; the hot set keeps its size, the warm set its size, no two warm
+    experts share bytes, the table's invariants hold, and no slot stays held."""
+    mgr = manager(packed_factory("mixtral"), every=10**6, max_moves=2)  # rounds only when the test says
+    hot0 = sum(r.pinned for _, r in mgr.table.items())
+    warm0 = sum(r.home is Home.CPU for _, r in mgr.table.items())
+    try:
+        for step in steps:
+            if step[0] == "call":
+                _, layer, experts = step
+                drive(mgr, [(0, [0])] if layer else [], truth)  # a forward starts at the first layer
+                drive(mgr, [(layer, sorted(experts))], truth)
+            elif step[0] == "favour":
+                mgr.rebalancer.window.count([K(step[1], step[2])] * 7)
+            elif step[0] == "prefetch":
+                mgr.prefetch(step[1], sorted(step[2]))
+            else:
+                mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+                if step[1]:
+                    mgr.drain()
+                    mgr.rebalancer.land(wait=True)
+            table = dict(mgr.table.items())
+            assert sum(r.pinned for r in table.values()) == hot0
+            assert sum(r.home is Home.CPU for r in table.values()) <= warm0
+            offsets = [r.host_offset for r in table.values() if r.host_offset is not None]
+            assert len(offsets) == len(set(offsets))
+            for k, r in table.items():
+                assert r.pinned == (r.home is Home.GPU)
+                assert (r.home is Home.CPU) == (r.host_offset is not None)
+            assert all(x == 0 for p in mgr.pools for s, x in enumerate(p.readers) if (id(p), s) not in mgr.pending)
+        mgr.drain()
+        mgr.rebalancer.land(wait=True)
+        drive(mgr, [(L, list(range(8))) for L in range(3)], truth)  # every expert, wherever it lives now
+    finally:
+        mgr.close()
