@@ -59,3 +59,17 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     assert t["prefill_bound_s"] >= r["arms"]["all_gpu@skewed"]["prefill_s"]
     assert r["routing"]["skewed"]["zipf_s"] == 1.2
     assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()
+
+
+def test_rebalance_ab_reports_both_arms():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("rebalance_ab", Path(__file__).parents[2] / "bench" / "rebalance_ab.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    r = ab.run(tokens=24, every=4, fractions=(0.5,))
+    off, on = r["arms"]
+    assert (off["rebalance_every_tokens"], on["rebalance_every_tokens"]) == (0, 4)
+    assert off["rebalance"] == {} and on["rebalance"]["rebalances"] > 0
+    assert 0.0 <= off["gpu_hit_rate"] <= 1.0 and 0.0 <= on["gpu_hit_rate"] <= 1.0
