@@ -88,8 +88,12 @@ class BlobLayout:
 
     def dequantize_into(self, blob: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
         """Decode a blob into the compute-dtype tensors ``out`` (slot memory), on the blob's device."""
+        self.dequantize_views(self.views(blob), out)
+
+    def dequantize_views(self, views: dict[str, QuantizedTensor], out: dict[str, torch.Tensor]) -> None:
+        """``dequantize_into`` from views made once by ``views`` (a caller that reuses buffers keeps them)."""
         scheme = quant.get_scheme(self.precision)
-        for name, q in self.views(blob).items():
+        for name, q in views.items():
             scheme.dequantize(q, out=out[name])
 
     def to_json(self) -> dict:

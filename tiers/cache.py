@@ -146,7 +146,25 @@ class ForecastSlots(LruSlots):
                 return s
         if not free:
             return None
-        return max(free, key=lambda s: self.wait(self._owner[s]))  # ties: the least recently used
+        # ``wait`` for each candidate, inlined: this runs on every miss, over every free slot.
+        n = max(len(self.position), 1)
+        here = self.position.get(self.current)
+        fast, slow, calls, avg, position, in_call = 1.0 - self.fast, 1.0 - self.slow, self.calls, self._avg, self.position, self.in_call
+        best, best_wait = None, None
+        for s in free:  # in LRU order: the first of equal waits wins, as with max()
+            key = self._owner[s]
+            if key in in_call:
+                w = -1.0
+            else:
+                there = position.get(key.layer)
+                d = n if here is None or there is None else ((there - here) % n or n)
+                now = calls.get(key.layer, 0)
+                f, sl, at = avg.get(key, (0.0, 0.0, now))
+                p = max(f * fast ** (now - at), sl * slow ** (now - at), 1e-6)
+                w = d + n * (1.0 / p - 1.0)
+            if best_wait is None or w > best_wait:
+                best, best_wait = s, w
+        return best
 
 
 def make_cache(policy: str, slots: Iterable[int], *, decay: float = 0.99, layers: Sequence[int] = ()) -> LruSlots:

@@ -99,6 +99,7 @@ class TierManager(Prefetcher):
         lossy = not all(quant.get_scheme(p).lossless for p in (cfg.cpu.precision, cfg.nvme.precision))
         self.dequant_stream = self.streams.new_stream() if lossy else self.copy_stream
         self.transit_done: dict[tuple[int, int], Any] = {}  # transit row -> its last dequantization's end
+        self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device) -> field views
         self.stats_ = StatsCollector()
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
         self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
@@ -312,6 +313,7 @@ class TierManager(Prefetcher):
         """Queue ``src`` (pinned) -> slot on the copy stream; returns the slot's ready event.
         ``source`` names the bytes in the stats: cpu, nvme, or rebalance (a hot promotion)."""
         blob = self.manifest.blob(key, precision)
+        lossless = quant.get_scheme(precision).lossless
         pool.begin_write(slot, key, self.copy_stream)
         t0 = self.clock()
         start = None
@@ -319,9 +321,9 @@ class TierManager(Prefetcher):
             if self.timing:
                 start = self.streams.event(timing=True)
                 start.record(self.copy_stream)
-            if quant.get_scheme(precision).lossless:
+            if lossless:
                 assert_pinned(src, self.device)
-                blob.dequantize_into(src, pool.tensors(slot))  # the H2D copies land straight in the slot
+                blob.dequantize_views(self._views(blob, src), pool.tensors(slot))  # the H2D copies land straight in the slot
                 ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
             else:
                 row = (id(pool), slot - self.hot_count[id(pool)])
@@ -332,12 +334,12 @@ class TierManager(Prefetcher):
                 copy_h2d_async(transit, src)
                 landed = self.streams.event()
                 landed.record(self.copy_stream)
-        if not quant.get_scheme(precision).lossless:
+        if not lossless:
             # Dequantize on a stream of its own, so the next expert's copy up overlaps this one's
             # dequantization; ordered after the copy (and so after the slot's last read).
             with self.streams.use(self.dequant_stream):
                 self.dequant_stream.wait_event(landed)
-                blob.dequantize_into(transit, pool.tensors(slot))
+                blob.dequantize_views(self._views(blob, transit), pool.tensors(slot))
             ready = pool.end_write(slot, self.dequant_stream, event=self.streams.event(timing=self.timing))
             self.transit_done[row] = ready
         if source == "nvme":
@@ -348,6 +350,15 @@ class TierManager(Prefetcher):
         else:
             self.stats_.stage_seconds += self.clock() - t0
         return ready
+
+    def _views(self, blob: Any, buf: torch.Tensor) -> dict:
+        """``blob.views(buf)``, made once per (blob layout, address): transit rows, ring buffers and
+        warm places are fixed buffers, and a view depends only on the layout and the address."""
+        key = (id(blob), buf.data_ptr(), buf.device)
+        views = self._view_cache.get(key)
+        if views is None:
+            views = self._view_cache[key] = blob.views(buf)
+        return views
 
     def wait(self, h: Handle) -> None:
         """Make the compute stream wait for ``h``'s copy; call right before its first kernel."""

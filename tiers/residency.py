@@ -9,7 +9,7 @@ warm / cool between nvme and cpu); every change is one of the edges below or rai
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 
 from loader.layout import ExpertKey
@@ -62,6 +62,19 @@ _EDGES = {
     (SlotState.READY, Op.DEMOTE): SlotState.ABSENT,
 }
 _HOME_OPS = {Op.WARM: Home.NVME, Op.COOL: Home.CPU}  # op -> the home it starts from (slot state unchanged)
+_KEEP = object()
+
+
+def replace(r: Residency, *, home=_KEEP, host_offset=_KEEP, slot=_KEEP, state=_KEEP, pinned=_KEEP) -> Residency:
+    """``dataclasses.replace`` for this one class, without its per-call field introspection (it is
+    on the path of every staged expert)."""
+    return Residency(
+        r.home if home is _KEEP else home,
+        r.host_offset if host_offset is _KEEP else host_offset,
+        r.slot if slot is _KEEP else slot,
+        r.state if state is _KEEP else state,
+        r.pinned if pinned is _KEEP else pinned,
+    )
 
 
 def transition(r: Residency, op: Op, slot: int | None = None, offset: int | None = None) -> Residency:

@@ -36,6 +36,7 @@ class SlotPool:
         self.slabs = {
             t.name: torch.empty((n_slots, *t.shape), dtype=dtype, device=device) for t in layout.tensors
         }  # name -> [n_slots, *shape]
+        self._rows = [{name: slab[i] for name, slab in self.slabs.items()} for i in range(n_slots)]  # slot -> its views
         self.owner: list[ExpertKey | None] = [None] * n_slots
         self.readers = [0] * n_slots
         self.last_read: list[Any | None] = [None] * n_slots
@@ -51,7 +52,7 @@ class SlotPool:
         return sum(s.numel() * s.element_size() for s in self.slabs.values())
 
     def tensors(self, slot: int) -> dict[str, torch.Tensor]:
-        return {name: slab[slot] for name, slab in self.slabs.items()}
+        return self._rows[slot]
 
     def begin_write(self, slot: int, key: ExpertKey, copy_stream: Any) -> None:
         assert self.readers[slot] == 0, f"slot {slot} (owner {self.owner[slot]}) is rewritten while {self.readers[slot]} readers hold it"

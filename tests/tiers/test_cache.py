@@ -222,3 +222,28 @@ def test_forecast_beats_lru_and_lfu_on_the_skewed_trace(shape):
     got = {p: replay(seq, cap, set(), lambda s, p=p: make_cache(p, s, layers=list(range(layers)))) for p in ("lru", "lfu", "forecast")}
     assert got["forecast"] >= 0.85 * opt
     assert got["forecast"] > max(got["lru"], got["lfu"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5)), min_size=1, max_size=120), st.integers(1, 4))
+def test_forecast_victim_is_the_largest_wait(raw, capacity):
+    """The inlined victim choice equals max(free, key=wait) (ties to the least recently used)."""
+    c = ForecastSlots(range(capacity), layers=[0, 1, 2])
+    where, owner = {}, {}
+    for i, (layer, e) in enumerate(raw):
+        key = ExpertKey(layer, e)
+        if i == 0 or raw[i - 1][0] != layer:
+            c.visit(layer, [key])
+        c.access(key)
+        if key in where:
+            c.touch(where[key])
+            continue
+        readers = [0] * capacity
+        if len(owner) == capacity:
+            free = [s for s in c._order if readers[s] == 0]
+            assert c.victim(readers) == max(free, key=lambda s: c.wait(c._owner[s]))
+        s = c.victim(readers)
+        if s in owner:
+            del where[owner[s]]
+        owner[s], where[key] = key, s
+        c.assign(s, key)
