@@ -77,6 +77,7 @@ class Handle:
 
 
 class TierManager(Prefetcher):
+    MAPS = 16  # pinned slot-map buffers in the ring
     def __init__(
         self,
         manifest: Manifest,
@@ -145,8 +146,14 @@ class TierManager(Prefetcher):
                 self.ring_bytes[id(pool)] = max(manifest.layers[L].blobs[cfg.nvme.precision].stride for L in g.layers)
         ring_total = sum(self.ring_bytes[id(p)] * (p.n_slots - self.hot_count[id(p)]) for p in self.pools if id(p) in self.ring_bytes)
         promote_bytes = Rebalancer.buffer_bytes(manifest, cfg, placement) if rebalancing else 0
-        self.host = HostPool(warm_bytes + ring_total + promote_bytes, pin=device.type == "cuda")
+        map_len = max(e.layout.num_experts for e in manifest.layers.values()) + 1
+        self.host = HostPool(warm_bytes + ring_total + promote_bytes + self.MAPS * 4096 * -(-map_len * 8 // 4096), pin=device.type == "cuda")
         self.warm_bytes = warm_bytes
+        # Pinned expert -> slot maps for the grouped forward, used round robin: a non_blocking copy
+        # from pageable memory would make the host wait for the compute stream to drain first.
+        self.maps = [self.host.view(self.host.alloc(map_len * 8), map_len * 8).view(torch.int64) for _ in range(self.MAPS)]
+        self.map_copied: list[Any | None] = [None] * self.MAPS
+        self.next_map = 0
         self.ring: dict[tuple[int, int], torch.Tensor] = {}
         self.ring_busy: dict[tuple[int, int], Any] = {}
         for p in self.pools:
@@ -350,6 +357,26 @@ class TierManager(Prefetcher):
         else:
             self.stats_.stage_seconds += self.clock() - t0
         return ready
+
+    def slot_map(self, layer: int, experts: list[int], slots: list[int]) -> torch.Tensor:
+        """An int64 [num_experts + 1] map expert -> slot on the device (unlisted experts and the
+        sentinel id ``num_experts`` -> ``n_slots``), copied without a host sync."""
+        pool = self.pool_of[layer]
+        n = self.manifest.layers[layer].layout.num_experts
+        i = self.next_map
+        self.next_map = (i + 1) % self.MAPS
+        if self.map_copied[i] is not None:
+            self.map_copied[i].synchronize()  # the copy that last read this buffer (16 calls ago: long done)
+        host = self.maps[i][: n + 1]
+        host.fill_(pool.n_slots)
+        host[experts] = torch.tensor(slots, dtype=torch.int64)
+        if self.device.type != "cuda":
+            return host.clone()  # no copy to make: the caller must not alias the ring
+        copy_h2d_async(dev := torch.empty(n + 1, dtype=torch.int64, device=self.device), host)
+        done = self.streams.event()
+        done.record(self.streams.current())
+        self.map_copied[i] = done
+        return dev
 
     def _views(self, blob: Any, buf: torch.Tensor) -> dict:
         """``blob.views(buf)``, made once per (blob layout, address): transit rows, ring buffers and

@@ -173,9 +173,8 @@ def tiers_grouped_experts_forward(
             for h in held:
                 mgr.wait(h)
             pool = mgr.pool_of[binding.layer]
-            slot_of = torch.full((self.num_experts + 1,), pool.n_slots, dtype=top_k_index.dtype)  # sentinel
-            slot_of[chunk] = torch.tensor([h.slot for h in held], dtype=top_k_index.dtype)
-            ids = slot_of.to(top_k_index.device, non_blocking=True)[top_k_index]  # [T, k] slot ids
+            slot_of = mgr.slot_map(binding.layer, chunk, [h.slot for h in held])  # [E+1] expert -> slot, sentinel n_slots
+            ids = slot_of.to(top_k_index.dtype)[top_k_index]  # [T, k] slot ids
             proxy = _SlotExperts(self, pool.slabs, pool.n_slots)
             proxy._is_expert_parallel = len(chunks) > 1  # mask the sentinel rows of other chunks
             part = grouped_mm_experts_forward(proxy, hidden_states, ids, top_k_weights)  # [T, H]

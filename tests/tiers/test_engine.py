@@ -112,3 +112,21 @@ def test_parts_of_a_layer_call_alternate_between_slot_halves(packed_factory, cac
             mgr.wait(h)
             mgr.release(h)
         previous = slots
+
+
+def test_slot_maps_are_exact_and_never_alias_the_ring(packed_factory, device):
+    """expert -> slot maps for the grouped forward: listed experts map to their slots, the rest and
+    the sentinel to n_slots; on CUDA the source is pinned (a non_blocking copy from pageable memory
+    would wait for the compute stream to drain) and the result lives on the device."""
+    mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
+    pool = mgr.pool_of[0]
+    assert all(m.is_pinned() for m in mgr.maps) == (device.type == "cuda")
+    maps = [mgr.slot_map(0, [1, 5], [3, 0]) for _ in range(mgr.MAPS + 3)]  # around the ring and past it
+    first = mgr.slot_map(0, [2], [1])
+    second = mgr.slot_map(0, [7], [4])
+    want = torch.full((9,), pool.n_slots, dtype=torch.int64)
+    want[[1, 5]] = torch.tensor([3, 0])
+    for m in maps:
+        assert m.device.type == device.type and torch.equal(m.cpu(), want)
+    assert first.cpu()[2] == 1 and first.cpu()[7] == pool.n_slots  # not changed by the next map
+    assert second.cpu()[7] == 4 and second.cpu()[2] == pool.n_slots
