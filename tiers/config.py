@@ -38,7 +38,7 @@ class TierSize:
 class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
-    staging_slots: int = 2  # GPU slots for misses, inside the budget
+    staging_slots: int | str = "auto"  # GPU slots for misses, inside the budget; auto: 2 x top-k in at most half the budget
     cache: str = "forecast"  # which staging slot a miss takes: forecast (layer-aware next use), lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
@@ -134,8 +134,8 @@ def parse_config(doc: Any) -> TiersConfig:
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads"})
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
-    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024:
-        raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024], got {slots!r}")
+    if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
+        raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got {slots!r}")
     cache = g.get("cache", d.gpu.cache)
     if cache not in ("forecast", "lru", "lfu"):
         raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: ['forecast', 'lfu', 'lru']")

@@ -12,6 +12,7 @@ experts at the cpu tier's precision (4 KiB aligned blobs).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from loader.layout import ExpertKey
@@ -67,6 +68,23 @@ def _check_precision(manifest: Manifest, key: str, precision: str) -> None:
         )
 
 
+AUTO_STAGING_PER_TOP_K = 2  # staging_slots: auto -> this many slots per routed expert of a token
+
+
+def top_k(manifest: Manifest) -> int:
+    """Experts routed per token, from the packed ``config.json`` (1 when it does not say)."""
+    path = manifest.root / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return 1
+    for d in (cfg, cfg.get("text_config") or {}):
+        k = d.get("num_experts_per_tok")
+        if isinstance(k, int) and not isinstance(k, bool) and k > 0:
+            return k
+    return 1
+
+
 def _fill(order: list[ExpertKey], cost: dict[int, int], budget: int) -> list[ExpertKey]:
     """Take experts in preference order while each one's cost (by layer) still fits the budget."""
     taken = []
@@ -100,19 +118,21 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
         hot = list(order)
         staging = dict.fromkeys(groups_by_sig, 0)
     else:
-        staging = dict.fromkeys(groups_by_sig, cfg.gpu.staging_slots)
-        reserved = sum(
-            cfg.gpu.staging_slots * (slot_bytes[Ls[0]] + transit(Ls[0])) for Ls in groups_by_sig.values()
-        )
+        per_slot = sum(slot_bytes[Ls[0]] + transit(Ls[0]) for Ls in groups_by_sig.values())  # one slot in every group
+        n_staging = cfg.gpu.staging_slots
+        if n_staging == "auto":  # 2 x top-k (a decode call's misses fit half of them), in at most half the budget
+            n_staging = max(1, min(AUTO_STAGING_PER_TOP_K * top_k(manifest), gpu_budget // per_slot // 2))
+        staging = dict.fromkeys(groups_by_sig, n_staging)
+        reserved = n_staging * per_slot
         smallest = min(slot_bytes.values())
         if gpu_budget < smallest:
             raise ValueError(
                 f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({smallest} bytes at bf16); "
-                f"the gpu tier needs at least {reserved} bytes for {cfg.gpu.staging_slots} staging slot(s)"
+                f"the gpu tier needs at least {reserved} bytes for {n_staging} staging slot(s)"
             )
         if gpu_budget < reserved:
             raise ValueError(
-                f"{gpu_key}: {gpu_budget} bytes cannot hold the {cfg.gpu.staging_slots} staging slot(s) misses need "
+                f"{gpu_key}: {gpu_budget} bytes cannot hold the {n_staging} staging slot(s) misses need "
                 f"({reserved} bytes with transit buffers); raise it to at least {reserved} or lower tiers.gpu.staging_slots"
             )
         hot = _fill(order, slot_bytes, gpu_budget - reserved)

@@ -33,7 +33,7 @@ tiers:
   nvme: {precision: int8}             # everything else
 """
 MINIMAL = TiersConfig(
-    gpu=GpuTier(size=TierSize(fraction=0.25), precision="bf16", staging_slots=2),
+    gpu=GpuTier(size=TierSize(fraction=0.25), precision="bf16", staging_slots="auto"),
     cpu=CpuTier(size=TierSize(fraction=0.5), precision="int8"),
     nvme=NvmeTier(precision="int8"),
 )
@@ -107,7 +107,7 @@ bad_slots = st.one_of(
     st.integers(max_value=0),
     st.integers(min_value=1025, max_value=2**70),
     st.floats(),  # 2.0 included: slots are counted, not measured
-    st.text(max_size=8),
+    st.text(max_size=8).filter(lambda t: t != "auto"),
     st.lists(_scalars, max_size=3),
 )
 bad_precision = st.one_of(
@@ -234,8 +234,8 @@ def test_fractions_summing_above_one_rejected(g, c):
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
         (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme', 'rebalance']"),
         (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision', 'reader_threads']"),
-        (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 0"),
-        (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024], got 2.0"),
+        (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 0"),
+        (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 2.0"),
         (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8']"),
         (at("tiers.gpu.budget", -5), "tiers.gpu.budget: a budget must be positive, got -5"),
         (at("tiers.gpu.budget", "0GiB"), "tiers.gpu.budget: a budget must be positive, got '0GiB'"),
@@ -321,7 +321,7 @@ def test_fraction_edges_parse(g, c):
     assert type(cfg.gpu.size.fraction) is float and type(cfg.cpu.size.fraction) is float
 
 
-@pytest.mark.parametrize("slots", [1, 2, 7, 1024])
+@pytest.mark.parametrize("slots", [1, 2, 7, 1024, "auto"])
 def test_staging_slots_parse(slots):
     assert parse_config(at("tiers.gpu.staging_slots", slots)).gpu.staging_slots == slots
 

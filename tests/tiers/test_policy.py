@@ -37,6 +37,7 @@ class Facts:
     experts_per_layer: int
     slot: int  # bytes of one expert at bf16
     stride: dict  # precision -> bytes one blob occupies (4 KiB aligned)
+    top_k: int = 1  # experts routed per token, from the packed config.json
 
     @property
     def n(self) -> int:
@@ -66,7 +67,9 @@ def facts(packed) -> Facts:
             assert strides.setdefault(p, b["stride"]) == b["stride"]
     # the tiny models have identical MoE layers: one slot group, one size; keep the arithmetic simple
     assert len(slots) == len(counts) == len(sigs) == 1
-    return Facts(precisions, tuple(sorted(e["layer"] for e in raw["layers"])), counts.pop(), slots.pop(), strides)
+    hf = json.loads((packed / "config.json").read_text()) if (packed / "config.json").is_file() else {}
+    return Facts(precisions, tuple(sorted(e["layer"] for e in raw["layers"])), counts.pop(), slots.pop(), strides,
+                 hf.get("num_experts_per_tok", 1))
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,9 @@ def expect(f: Facts, cfg) -> Expected:
     if gpu_budget >= f.total_bf16:
         hot, staging, transit = f.n, 0, 0
     else:
-        staging = g.staging_slots
         transit = max((f.stride[p] for p in {c.precision, cfg.nvme.precision} if p != "bf16" and p in f.precisions), default=0)
+        # auto: two per routed expert of a token, in at most half the budget, at least one
+        staging = g.staging_slots if g.staging_slots != "auto" else max(1, min(2 * f.top_k, gpu_budget // (f.slot + transit) // 2))
         reserved = staging * (f.slot + transit)
         if gpu_budget < f.slot:
             return Expected(error="^" + re.escape(f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({f.slot} bytes at bf16)"))
@@ -173,7 +177,7 @@ def test_tiny_mixtral_facts(f):
 
 def test_minimal_yaml_counts(f, manifest):
     """gpu 0.25 / cpu 0.5 int8 / nvme int8: every tier holds experts."""
-    cfg = parse_config({"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.5, "precision": "int8"},
+    cfg = parse_config({"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 2}, "cpu": {"fraction": 0.5, "precision": "int8"},
                                   "nvme": {"precision": "int8"}}})
     gpu_budget = int(0.25 * 24 * f.slot)
     reserved = 2 * (f.slot + f.stride["int8"])
@@ -204,7 +208,7 @@ def test_gpu_fraction_one_is_all_hot_without_staging(f, manifest, cpu):
 
 
 def test_cpu_fraction_zero_means_no_warm(f, manifest):
-    cfg = parse_config({"tiers": {"gpu": {"fraction": 0.5}, "cpu": {"fraction": 0}}})
+    cfg = parse_config({"tiers": {"gpu": {"fraction": 0.5, "staging_slots": 2}, "cpu": {"fraction": 0}}})
     gpu_budget = int(0.5 * 24 * f.slot)
     hot = (gpu_budget - 2 * (f.slot + f.stride["int8"])) // f.slot
     exp = Expected(hot, 0, 24 - hot, 2, f.stride["int8"], gpu_budget, 0)
@@ -283,7 +287,7 @@ def test_routing_prior_orders_hot_first(manifest):
     freq = {str(L): [0.0] * 8 for L in (0, 1, 2)}
     freq["2"][7], freq["0"][5], freq["1"][3] = 0.9, 0.8, 0.7
     m = dataclasses.replace(manifest, routing_prior={"frequency": freq})
-    cfg = parse_config({"tiers": {"gpu": {"budget": 3 * 36864 + 2 * (36864 + 20480)}, "cpu": {"fraction": 0.1}}})
+    cfg = parse_config({"tiers": {"gpu": {"budget": 3 * 36864 + 2 * (36864 + 20480), "staging_slots": 2}, "cpu": {"fraction": 0.1}}})
     p = plan_placement(cfg, m)
     assert p.hot == (ExpertKey(0, 5), ExpertKey(1, 3), ExpertKey(2, 7))
 
@@ -346,7 +350,7 @@ def test_sweep_budget_bound_partition_and_counts(f, manifest, data):
 
 @pytest.mark.parametrize("budget", [1, 4096, "36863", "36KB"])
 def test_gpu_budget_smaller_than_one_expert(f, manifest, budget):
-    cfg = parse_config({"tiers": {"gpu": {"budget": budget}}})
+    cfg = parse_config({"tiers": {"gpu": {"budget": budget, "staging_slots": 2}}})
     n = cfg.gpu.size.budget
     assert n < f.slot
     with pytest.raises(ValueError) as ei:
@@ -464,3 +468,32 @@ def test_lru_matches_a_model(n, data):
             free = [s for s in range(n) if readers[s] == 0]
             want = min(free, key=last.__getitem__) if free else None
             assert lru.victim(readers) == want
+
+
+@pytest.mark.parametrize("fraction,want", [(0.25, 1), (0.5, 3), (0.75, 4), (0.95, 4)])
+def test_auto_staging_is_two_per_routed_expert_in_at_most_half_the_budget(f, manifest, fraction, want):
+    """top-2 model: auto wants 4 staging slots, takes at most half the budget, at least one."""
+    assert f.top_k == 2
+    cfg = parse_config({"tiers": {"gpu": {"fraction": fraction}}})
+    assert cfg.gpu.staging_slots == "auto"
+    budget = int(fraction * 24 * f.slot)
+    assert want == max(1, min(4, budget // (f.slot + f.stride["int8"]) // 2))  # the rule, spelled out for these cases
+    exp = expect(f, cfg)
+    assert exp.staging == want
+    check(f, manifest, cfg, exp)
+
+
+def test_auto_staging_reads_top_k_from_the_packed_config(f, manifest, tmp_path):
+    import shutil
+
+    from tiers.policy import top_k
+
+    assert top_k(manifest) == 2
+    packed = tmp_path / "p"
+    shutil.copytree(manifest.root, packed)
+    (packed / "config.json").write_text("{}")
+    assert top_k(read_manifest(packed)) == 1  # no num_experts_per_tok: one
+    (packed / "config.json").write_text('{"text_config": {"num_experts_per_tok": 8}}')
+    assert top_k(read_manifest(packed)) == 8
+    (packed / "config.json").unlink()
+    assert top_k(read_manifest(packed)) == 1
