@@ -368,13 +368,14 @@ def run(args) -> dict:
     for name in [a for a in arms if a.startswith("tiers_")]:
         frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
         # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
-        gpu = {"fraction": frac}
+        slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
+        gpu = {"fraction": frac, "staging_slots": slots}
         if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
             entry = next(iter(read_manifest(packed).layers.values()))
             transit = entry.blobs[precision].stride if precision != "bf16" else 0
-            gpu = {"budget": args.staging_slots * (entry.layout.nbytes() + transit)}
-        cfg = {"tiers": {"gpu": gpu | {"staging_slots": args.staging_slots, "cache": args.cache, "compute": args.compute,
-                                       "prefetch_depth": args.prefetch_depth},
+            n = 2 * top_k if slots == "auto" else slots  # what auto asks for
+            gpu = {"budget": n * (entry.layout.nbytes() + transit), "staging_slots": n}
+        cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
                          # the rebalancer follows skewed routing; under uniform routing it has nothing to
                          # learn, and those arms keep the YAML default (off)
@@ -501,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slow-tokens", type=int, default=4, help="decode tokens for the lazy and accelerate arms (one timed run)")
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
-    ap.add_argument("--staging-slots", type=int, default=4)
+    ap.add_argument("--staging-slots", default="auto", help="Tiers staging slots: an integer or auto (the YAML default)")
     ap.add_argument("--cache", choices=["forecast", "lru", "lfu"], default="forecast")
     ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers @skewed arms: rebalance the tiers every this many tokens (0: off)")
     ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
