@@ -1,0 +1,125 @@
+"""What the bench measures with: random-weight models of real shapes, timing, the naive lazy
+``.to()`` baseline and the H2D copy sweep.
+
+Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build``, the timing helpers
+(median of repetitions after a warm-up, with a device sync around each), the lazy experts forward
+registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends with a device
+sync, so it measures finished work.
+"""
+import statistics
+import time
+
+import torch
+
+SHAPES = {
+    "mixtral": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, layers=8),
+    "qwen3_moe": dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,
+                      num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      vocab_size=151936, decoder_sparse_step=1, mlp_only_layers=[], layers=12),
+}
+TINY = {
+    "mixtral": dict(hidden_size=128, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
+                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512, layers=6),
+    "qwen3_moe": dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=256, num_experts=16,
+                      num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      vocab_size=512, decoder_sparse_step=1, mlp_only_layers=[], layers=3),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, reps: int) -> float:
+    """Median seconds of ``reps`` calls after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
+    """(generate 1 + tokens) - (generate 1), per token: prefill of the prompt cancels out."""
+    kw = dict(do_sample=False, pad_token_id=0)
+    one = timed(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw), device, reps)
+    full = timed(lambda: model.generate(prompt, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kw), device, reps)
+    return (full - one) / tokens * 1e3
+
+
+def prefill_seconds(model, ids, device, reps: int) -> float:
+    with torch.no_grad():
+        return timed(lambda: model(ids), device, reps)
+
+
+def copy_sweep(device: torch.device, sizes: list[int], total: int = 512 << 20) -> list[dict]:
+    """H2D GB/s from pinned memory: ``n`` back-to-back async copies of ``size`` bytes on one stream
+    (how the engine issues one copy per expert) against one copy of the same ``n * size`` bytes."""
+    rows = []
+    for size in sizes:
+        n = max(1, total // size)
+        src = torch.empty(n * size, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(n * size, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+
+        def run(chunks: int) -> float:
+            step = n * size // chunks
+            times = []
+            for _ in range(3):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(stream):
+                    start.record(stream)
+                    for i in range(chunks):
+                        dst[i * step:(i + 1) * step].copy_(src[i * step:(i + 1) * step], non_blocking=True)
+                    end.record(stream)
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            return n * size / statistics.median(times) / 1e9
+
+        rows.append({"size": size, "copies": n, "separate_gbps": run(n), "one_copy_gbps": run(1)})
+        del src, dst
+    return rows
+
+
+# -- the naive lazy arm: an experts implementation that moves each hit expert with .to() ---------
+
+def lazy_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    final = torch.zeros_like(hidden_states)  # [T, H]
+    with torch.no_grad():
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)  # [E+1, k, T]
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit[:, 0].tolist():
+        if e == self.num_experts:
+            continue
+        gate_up = self._lazy["gate_up_proj"][e].to(hidden_states.device)  # pageable -> GPU, synchronous
+        down = self._lazy["down_proj"][e].to(hidden_states.device)
+        pos, tok = torch.where(mask[e])
+        h = torch.nn.functional.linear(hidden_states[tok], gate_up)
+        h = self._apply_gate(h)
+        h = torch.nn.functional.linear(h, down) * top_k_weights[tok, pos, None]
+        final.index_add_(0, tok, h.to(final.dtype))
+    return final
+
+
+def build(model_type: str, shape: dict, device: torch.device, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(shape)
+    layers = kw.pop("layers")
+    cfg = AutoConfig.for_model(model_type, num_hidden_layers=layers, max_position_embeddings=4096, **kw)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def expert_modules(model):
+    from loader.layout import find_experts_modules
+
+    return find_experts_modules(model)
