@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The benchmark runs behind bench/results, on a CUDA machine; results go to ${OUT:-gpu-out}/results.
+# Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]
+# Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run.
+set -uo pipefail
+out=${OUT:-gpu-out}/results
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+arms=all_gpu,all_gpu@skewed,lazy,accelerate,tiers_100_bf16,tiers_0_int8,tiers_25_int8,tiers_50_int8,tiers_25_bf16,tiers_25_int8@skewed,tiers_50_int8@skewed
+hf=/dev/shm/tiers-hf  # the save_pretrained checkpoint before packing: tmpfs, the disk holds the pack
+rc=0
+for model in ${1:-all}; do
+  case $model in all) models="mixtral qwen3_moe" ;; *) models=$model ;; esac
+  for m in $models; do
+    timeout 290 python3 tools/bench.py --model "$m" --tokens 16 --reps 2 --slow-tokens 2 --arms "$arms" --copy-sweep \
+      --hf-dir "$hf" --out "$out" 2>&1 | grep -v '%|' | tail -30 || rc=1
+    rm -rf "$hf" /tmp/tiers-bench-*
+  done
+done
+exit "$rc"
