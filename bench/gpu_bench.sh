@@ -11,7 +11,7 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1
-arms=all_gpu,all_gpu@skewed,lazy,accelerate,tiers_100_bf16,tiers_0_int8,tiers_25_int8,tiers_50_int8,tiers_25_bf16,tiers_25_int8@skewed,tiers_50_int8@skewed
+arms=all_gpu,all_gpu@skewed,lazy,accelerate,tiers_100_bf16,tiers_0_int8,tiers_25_int8,tiers_50_int8,tiers_25_bf16,tiers_25_int8@skewed,tiers_50_int8@skewed,tiers_25_int8@skewed_norebal
 hf=/dev/shm/tiers-hf  # the save_pretrained checkpoint before packing: tmpfs, the disk holds the pack
 rc=0
 for model in ${1:-all}; do

@@ -13,7 +13,7 @@ layers, by default), saves and packs it, then measures each arm in one run:
   the rest warm in pinned RAM (INT8 or bf16); ``tiers_0_<precision>`` holds only the staging
   slots, the same GPU budget for experts as the lazy and accelerate arms;
 - ``<arm>@skewed``: the same arm routed by a skewed, sticky trace (``tools.routing``), with the
-  rebalancer on for Tiers.
+  rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off.
 
 Per arm: decode ms/token and tok/s at batch 1, prefill time, bytes moved per token per source
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
@@ -66,7 +66,7 @@ def run(args) -> dict:
         shape["layers"] = args.layers
     arms = args.arms.split(",") if args.arms != "all" else (
         ["all_gpu", "lazy", "accelerate"] + [f"tiers_{int(f * 100)}_{p}" for f, p in TIERS_ARMS]
-        + [f"{a}@skewed" for a in ("all_gpu", "tiers_25_int8", "tiers_50_int8")])
+        + [f"{a}@skewed" for a in ("all_gpu", "tiers_25_int8", "tiers_50_int8")] + ["tiers_25_int8@skewed_norebal"])
     if device.type != "cuda" and "accelerate" in arms:
         arms.remove("accelerate")  # its CPU offload hooks need a separate execution device
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tiers-bench-"))
@@ -81,10 +81,10 @@ def run(args) -> dict:
     result["routing"] = {"uniform": "the random-weight routers", "skewed": {**skew, "model": "tiers.trace.TraceModel via tools.routing.TraceRouting"}}
 
     def routed(m, name):
-        """Route ``m`` by the skewed trace for an arm named ``...@skewed``; a no-op context otherwise."""
+        """Route ``m`` by the skewed trace for an arm named ``...@skewed...``; a no-op context otherwise."""
         from tools.routing import TraceRouting
 
-        return TraceRouting(m, **skew, tokens=max(4096, 2 * args.prefill)) if name.endswith("@skewed") else contextlib.nullcontext()
+        return TraceRouting(m, **skew, tokens=max(4096, 2 * args.prefill)) if "@skewed" in name else contextlib.nullcontext()
 
     model = build(args.model, shape, device)
     vocab = model.config.vocab_size
@@ -325,7 +325,7 @@ def add_bounds(result: dict) -> dict:
     """Per Tiers arm: the decode bound (all-GPU ms/token of the same routing + moved bytes / 55 GB/s),
     the overhead over it, and the prefill bound max(all-GPU prefill, prefill bytes / 55 GB/s)."""
     for name, row in result["arms"].items():
-        baseline = result["arms"].get("all_gpu@skewed" if name.endswith("@skewed") else "all_gpu", {})
+        baseline = result["arms"].get("all_gpu@skewed" if "@skewed" in name else "all_gpu", {})
         base = baseline.get("decode_ms_per_token")
         if name.startswith("tiers") and base is not None and "error" not in row:
             moved = sum(row["bytes_moved_per_token"].values())
@@ -343,7 +343,7 @@ def markdown(r: dict) -> str:
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
              f"Command: `{r['command']}`", "",
              f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; "
-             f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']}.", "",
+             f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']} (Tiers with the rebalancer on; `_norebal`: off).", "",
              "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | prefill / bound | MiB moved/token (cpu, nvme, rebalance) "
              "| H2D GB/s | GPU hit rate | GPU hits / Belady | prefetch accuracy | peak GPU GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -47,13 +47,16 @@ def test_lazy_arm_computes_what_eager_computes():
 
 def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     rc = bench.main(["--tiny", "--tokens", "4", "--prefill", "16", "--reps", "1", "--device", "cpu", "--rebalance-every", "2",
-                     "--arms", "all_gpu,all_gpu@skewed,tiers_25_int8@skewed", "--out", str(tmp_path)])
+                     "--arms", "all_gpu,all_gpu@skewed,tiers_25_int8@skewed,tiers_25_int8@skewed_norebal", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
     t = r["arms"]["tiers_25_int8@skewed"]
     hits, optimum, lookups = t["gpu_hits_vs_belady"]
     assert 0 < hits <= optimum <= lookups
     assert t["rebalance"]["rebalances"] > 0
+    off = r["arms"]["tiers_25_int8@skewed_norebal"]
+    assert off["rebalance"] == {} and off["config"]["tiers"]["rebalance"]["every_tokens"] == 0
+    assert off["bound_ms_per_token"] >= r["arms"]["all_gpu@skewed"]["decode_ms_per_token"]  # the skewed baseline
     base = r["arms"]["all_gpu@skewed"]["decode_ms_per_token"]  # the bound of a skewed arm uses the skewed baseline
     assert t["bound_ms_per_token"] == pytest.approx(base + sum(t["bytes_moved_per_token"].values()) / bench.H2D_BYTES_PER_S * 1e3)
     assert t["prefill_bound_s"] >= r["arms"]["all_gpu@skewed"]["prefill_s"]
