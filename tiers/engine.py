@@ -191,6 +191,7 @@ class TierManager(Prefetcher):
                     # ids, exactly as the untiered module (no id map, grouped_mm over its own experts)
                     self.static_views[L] = {n: slab[slots[0] : slots[0] + len(slots)] for n, slab in pool.slabs.items()}
         self._static_hits = torch.zeros((), dtype=torch.long, device=device)  # lookups on static layers, counted on the device
+        self._static_host_hits = 0  # ... and those of one-token calls, counted on the host
         self.first_layer = min((L for L in manifest.layers if L not in self.static_maps), default=None)
         self.rebalancer = (
             Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
@@ -407,7 +408,11 @@ class TierManager(Prefetcher):
         h.pool.end_read(h.slot, self.streams.current(), record=not self.table[h.key].pinned)
 
     def count_static(self, layer: int, top_k_index: torch.Tensor) -> None:
-        """Count a static layer's distinct experts as gpu hits, on the device (no sync)."""
+        """Count a static layer's distinct experts as gpu hits without a sync: for one token on the
+        host (a router's top-k picks are distinct), for more on the device."""
+        if top_k_index.shape[0] == 1:  # decode: no kernel launches on the host-bound path
+            self._static_host_hits += top_k_index.shape[-1]
+            return
         n = self.manifest.layers[layer].layout.num_experts
         used = torch.zeros(n + 1, dtype=torch.long, device=top_k_index.device)
         used.index_fill_(0, top_k_index.reshape(-1), 1)
@@ -460,7 +465,7 @@ class TierManager(Prefetcher):
     # -- reporting -------------------------------------------------------------------------
     def stats(self) -> TierStats:
         self.stats_.resolve()
-        static = int(self._static_hits.item())
+        static = int(self._static_hits.item()) + self._static_host_hits
         m, cfg = self.manifest, self.cfg
         residency = {h.value: {"experts": 0, "bytes": 0} for h in Home}
         for k, r in self.table.items():  # where each expert lives now (the rebalancer moves them)

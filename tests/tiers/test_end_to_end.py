@@ -247,6 +247,14 @@ def test_all_hot_layers_take_the_static_path(device, checkpoint_factory, packed_
     mgr.static_views.clear()  # the general form: an expert -> slot map over the whole slab
     with torch.no_grad():
         assert torch.equal(ref(ids).logits, model(ids).logits)
+    # one-token calls (decode) are counted on the host, longer ones on the device: same definition
+    seen.clear()
+    before = tiers.stats(model).hits["gpu"]
+    one = ids[:1, :1]
+    with torch.no_grad():
+        model(one)
+        model(ids[:1])
+    assert tiers.stats(model).hits["gpu"] - before == sum(seen)
 
 
 def test_missing_config_json_is_named(tmp_path, packed_factory):
