@@ -60,7 +60,7 @@ def measure(calls: int, staging: int, cache: str, packed: Path, seed: int = 0) -
     run()  # warm-up
     times, misses = [], []
     for _ in range(5):
-        mgr.stats_.reset()
+        mgr.reset_stats()
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)

@@ -48,7 +48,7 @@ def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
         with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=seed, tokens=4 * tokens):
             kw = dict(do_sample=False, pad_token_id=0)
             m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw)  # warm-up: the rebalancer's first rounds
-            mgr.stats_.reset()
+            mgr.reset_stats()
             m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
             s = mgr.stats()
         lookups = sum(s.hits.values())

@@ -463,6 +463,12 @@ class TierManager(Prefetcher):
                 self.release(h)
 
     # -- reporting -------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Start counting afresh: the collector's counters and the static layers' hits."""
+        self.stats_.reset()
+        self._static_hits.zero_()
+        self._static_host_hits = 0
+
     def stats(self) -> TierStats:
         self.stats_.resolve()
         static = int(self._static_hits.item()) + self._static_host_hits

@@ -199,7 +199,7 @@ def run(args) -> dict:
         for _ in range(reps):
             for n in runs:
                 sync(device)
-                mgr.stats_.reset()
+                mgr.reset_stats()
                 t0 = time.perf_counter()
                 gen(n)
                 sync(device)
@@ -213,7 +213,7 @@ def run(args) -> dict:
                      for k in sources}
         decode_stall_ms = per_token.pop("_stall") * 1e3  # the compute stream's waits on copies, per decode token
         decode_moved = per_token
-        mgr.stats_.reset()
+        mgr.reset_stats()
         mgr.recorded = []
         m.generate(prompt, max_new_tokens=args.tokens + 1, min_new_tokens=args.tokens + 1, do_sample=False, pad_token_id=0)
         sync(device)
@@ -247,7 +247,7 @@ def run(args) -> dict:
         }
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        mgr.stats_.reset()
+        mgr.reset_stats()
         prefill_reps = max(1, reps - 1)
         extra["prefill_s"] = prefill_seconds(m, prefill_ids, device, prefill_reps)
         extra["prefill_bytes_moved"] = sum(mgr.stats().bytes_moved.values()) / (prefill_reps + 1)  # timed() warms up once

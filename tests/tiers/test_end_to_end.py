@@ -255,6 +255,11 @@ def test_all_hot_layers_take_the_static_path(device, checkpoint_factory, packed_
         model(one)
         model(ids[:1])
     assert tiers.stats(model).hits["gpu"] - before == sum(seen)
+    mgr.reset_stats()
+    assert tiers.stats(model).hits["gpu"] == 0
+    with torch.no_grad():
+        model(one)
+    assert tiers.stats(model).hits["gpu"] == sum(seen[-len(mgr.static_maps):])
 
 
 def test_missing_config_json_is_named(tmp_path, packed_factory):
