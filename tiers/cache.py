@@ -42,12 +42,17 @@ class LruSlots:
         self._owner.pop(slot, None)
 
     def victim(self, readers: Sequence[int]) -> int | None:
-        """An empty slot if any, else the least recently used slot nobody holds; None if all are held."""
+        """An empty slot nobody holds if any, else the policy's choice among the occupied slots
+        nobody holds (``free``, in LRU order); None if all are held."""
         free = [s for s in self._order if readers[s] == 0]
         for s in free:
             if s not in self._owner:
                 return s
-        return free[0] if free else None
+        return self._choose(free) if free else None
+
+    def _choose(self, free: list[int]) -> int:
+        """LRU: the least recently used."""
+        return free[0]
 
 
 class LfuSlots(LruSlots):
@@ -73,13 +78,7 @@ class LfuSlots(LruSlots):
         self.now += 1
         self._score[key] = (self.score(key) + 1.0, self.now)
 
-    def victim(self, readers: Sequence[int]) -> int | None:
-        free = [s for s in self._order if readers[s] == 0]
-        for s in free:
-            if s not in self._owner:
-                return s
-        if not free:
-            return None
+    def _choose(self, free: list[int]) -> int:
         # min by score; the LRU order of ``free`` breaks ties (min keeps the first minimum).
         return min(free, key=lambda s: self.score(self._owner[s]))
 
@@ -139,13 +138,7 @@ class ForecastSlots(LruSlots):
         p = max(*self._averages(key), 1e-6)
         return d + n * (1.0 / p - 1.0)
 
-    def victim(self, readers: Sequence[int]) -> int | None:
-        free = [s for s in self._order if readers[s] == 0]
-        for s in free:
-            if s not in self._owner:
-                return s
-        if not free:
-            return None
+    def _choose(self, free: list[int]) -> int:
         # ``wait`` for each candidate, inlined: this runs on every miss, over every free slot.
         n = max(len(self.position), 1)
         here = self.position.get(self.current)
