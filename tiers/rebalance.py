@@ -142,11 +142,12 @@ class Rebalancer:
         gp, cp = cfg.gpu.precision, cfg.cpu.precision
         if not cfg.rebalance.every_tokens or not placement.hot or not quant.get_scheme(gp).lossless:
             return 0
-        promote = cls.BUFFERS * max(manifest.layers[L].blobs[gp].stride for L in manifest.layers)
-        return promote + cls.BUFFERS * sum(cls.spare_bytes(manifest, cp, g.layers) for g in placement.groups)
+        promote = cls.BUFFERS * cls.largest_blob(manifest, gp, manifest.layers)
+        return promote + cls.BUFFERS * sum(cls.largest_blob(manifest, cp, g.layers) for g in placement.groups)
 
     @staticmethod
-    def spare_bytes(manifest: Any, precision: str, layers: Iterable[int]) -> int:
+    def largest_blob(manifest: Any, precision: str, layers: Iterable[int]) -> int:
+        """Bytes of the largest ``precision`` blob among ``layers``: one promotion buffer or spare place."""
         return max(manifest.layers[L].blobs[precision].stride for L in layers)
 
     def __init__(self, mgr: Any, cfg: Rebalance, *, threads: int):
@@ -156,11 +157,11 @@ class Rebalancer:
         self.hot_moves = self.buffer_bytes(mgr.manifest, mgr.cfg, mgr.placement) > 0
         self.buffers, self.spares = [], {id(p): [] for p in mgr.pools}  # spares: per pool, free warm places for demotions
         if self.hot_moves:
-            size = max(mgr.manifest.layers[L].blobs[mgr.cfg.gpu.precision].stride for L in mgr.manifest.layers)
+            size = self.largest_blob(mgr.manifest, mgr.cfg.gpu.precision, mgr.manifest.layers)
             self.buffers = [mgr.host.view(mgr.host.alloc(size), size) for _ in range(self.BUFFERS)]
             for p in mgr.pools:
-                layers = {k.layer for k in mgr.keys_of[id(p)]}
-                self.spares[id(p)] = [mgr.host.alloc(self.spare_bytes(mgr.manifest, mgr.cfg.cpu.precision, layers)) for _ in range(self.BUFFERS)]
+                place = self.largest_blob(mgr.manifest, mgr.cfg.cpu.precision, {k.layer for k in mgr.keys_of[id(p)]})
+                self.spares[id(p)] = [mgr.host.alloc(place) for _ in range(self.BUFFERS)]
         self.buffer_busy: list[Any | None] = [None] * len(self.buffers)
         self.hot_reads: dict[ExpertKey, _HotRead] = {}
         self.warm_reads: dict[ExpertKey, tuple[Future, int]] = {}
@@ -188,8 +189,7 @@ class Rebalancer:
     def rebalance(self, freq: Counter) -> list[Move]:
         mgr = self.mgr
         self.counts["rebalances"] += 1
-        busy = set(self.hot_reads) | set(self.warm_reads) | {r.replaces for r in self.hot_reads.values()}
-        busy |= {v[1] for v in mgr.pending.values()}  # read-aheads in flight
+        busy = self._busy()
         issued = []
         for pool in mgr.pools:
             keys = tuple(k for k in mgr.keys_of[id(pool)] if self.movable(k.layer))
@@ -199,12 +199,18 @@ class Rebalancer:
                 hot=frozenset(k for k in keys if table[k].pinned),
                 warm=frozenset(k for k in keys if table[k].home is Home.CPU),
                 free_places=len(self.free_places[id(pool)]),
-                busy=frozenset(busy),
+                busy=busy,
             )
             for move in plan_moves(freq, state, max_moves=self.cfg.max_moves, margin=self.cfg.margin):
                 if self._issue(move, pool):
                     issued.append(move)
         return issued
+
+    def _busy(self) -> frozenset[ExpertKey]:
+        """Experts a move may not touch now: those with a rebalance read in flight, the hot experts
+        promotions will replace, and those with a read-ahead in flight."""
+        busy = set(self.hot_reads) | set(self.warm_reads) | {r.replaces for r in self.hot_reads.values()}
+        return frozenset(busy | {v[1] for v in self.mgr.pending.values()})
 
     def _issue(self, move: Move, pool: Any) -> bool:
         mgr = self.mgr
@@ -221,10 +227,7 @@ class Rebalancer:
                 busy.synchronize()  # the last promotion's copy up may still read this buffer
                 self.buffer_busy[i] = None
             spare = spares.pop()
-            fence = mgr.streams.event()
-            fence.record(mgr.copy_stream)  # copies queued so far may still read the spare's old bytes
-            cp = mgr.cfg.cpu.precision
-            out = self._submit(self._read_after, fence, move.replaces, cp, mgr.host.view(spare, mgr.manifest.ref(move.replaces, cp).nbytes))
+            out = self._read_into_place(move.replaces, spare)
             self.hot_reads[move.key] = _HotRead(self._submit(mgr.disk.read, move.key, mgr.cfg.gpu.precision, self.buffers[i]), i,
                                                 move.replaces, spare, out)
             return True
@@ -238,12 +241,17 @@ class Rebalancer:
             offset = self.free_places[id(pool)].pop()
         else:
             return False
-        fence = mgr.streams.event()
-        fence.record(mgr.copy_stream)  # copies queued so far may still read the bytes at ``offset``
-        cp = mgr.cfg.cpu.precision
-        dst = mgr.host.view(offset, mgr.manifest.ref(move.key, cp).nbytes)
-        self.warm_reads[move.key] = (self._submit(self._read_after, fence, move.key, cp, dst), offset)
+        self.warm_reads[move.key] = (self._read_into_place(move.key, offset), offset)
         return True
+
+    def _read_into_place(self, key: ExpertKey, offset: int) -> Future:
+        """Read ``key``'s cpu blob into the host pool at ``offset`` on a rebalance thread, once every
+        copy queued so far on the copy stream (one may still read the old bytes there) is done."""
+        mgr = self.mgr
+        fence = mgr.streams.event()
+        fence.record(mgr.copy_stream)
+        cp = mgr.cfg.cpu.precision
+        return self._submit(self._read_after, fence, key, cp, mgr.host.view(offset, mgr.manifest.ref(key, cp).nbytes))
 
     def _submit(self, fn, *args) -> Future:
         if self.pool is not None:
@@ -329,7 +337,7 @@ class Rebalancer:
             spares.append(freed)
         elif out_ok:  # the warm set grew by one: cool its least used expert to keep the cpu budget
             freq = self.window.frequency()
-            busy = set(self.hot_reads) | set(self.warm_reads) | {h.replaces for h in self.hot_reads.values()}
+            busy = self._busy()
             warm = [k for k in mgr.keys_of[id(pool)] if mgr.table[k].home is Home.CPU and k not in busy]
             if warm:
                 coldest = min(warm, key=lambda k: (freq[k], k))
