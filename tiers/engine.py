@@ -29,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 import quant
+from loader.blob import BLOB_ALIGN, align
 from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
@@ -147,7 +148,7 @@ class TierManager(Prefetcher):
         ring_total = sum(self.ring_bytes[id(p)] * (p.n_slots - self.hot_count[id(p)]) for p in self.pools if id(p) in self.ring_bytes)
         promote_bytes = Rebalancer.buffer_bytes(manifest, cfg, placement) if rebalancing else 0
         map_len = max(e.layout.num_experts for e in manifest.layers.values()) + 1
-        self.host = HostPool(warm_bytes + ring_total + promote_bytes + self.MAPS * 4096 * -(-map_len * 8 // 4096), pin=device.type == "cuda")
+        self.host = HostPool(warm_bytes + ring_total + promote_bytes + self.MAPS * align(map_len * 8, BLOB_ALIGN), pin=device.type == "cuda")
         self.warm_bytes = warm_bytes
         # Pinned expert -> slot maps for the grouped forward, used round robin: a non_blocking copy
         # from pageable memory would make the host wait for the compute stream to drain first.
@@ -373,7 +374,8 @@ class TierManager(Prefetcher):
         host[experts] = torch.tensor(slots, dtype=torch.int64)
         if self.device.type != "cuda":
             return host.clone()  # no copy to make: the caller must not alias the ring
-        copy_h2d_async(dev := torch.empty(n + 1, dtype=torch.int64, device=self.device), host)
+        dev = torch.empty(n + 1, dtype=torch.int64, device=self.device)
+        copy_h2d_async(dev, host)
         done = self.streams.event()
         done.record(self.streams.current())
         self.map_copied[i] = done
