@@ -86,3 +86,12 @@ def packed_factory(tmp_path_factory, checkpoint_factory):
         return cache[key]
 
     return make
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """Corrupt one byte of a file in place (XOR 0xFF), for the integrity tests."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))

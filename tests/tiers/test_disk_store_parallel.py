@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tiers.disk_store as disk_store
+from conftest import flip_byte
 from loader.layout import ExpertKey
 from loader.packed import read_manifest
 from tiers.disk_store import DiskStore, IntegrityError, drop_page_cache
@@ -60,14 +61,6 @@ def single_reads(root: Path) -> dict[tuple[ExpertKey, str], torch.Tensor]:
 def sentinel_buffer(m, key: ExpertKey, precision: str) -> torch.Tensor:
     """A stride-sized destination, like the engine's ring buffers, pre-filled so overruns show."""
     return torch.full((m.blob(key, precision).stride,), SENTINEL, dtype=torch.uint8)
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def assert_names(err: pytest.ExceptionInfo, path: Path, key: ExpertKey) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tiers
+from conftest import flip_byte
 from loader.layout import ExpertKey
 from loader.packed import read_manifest
 from tiers.config import load_config
@@ -39,14 +40,6 @@ def packed_copy(packed_factory, tmp_path) -> Path:
 
 def placement(path: Path, cfg: dict):
     return plan_placement(load_config(cfg), read_manifest(path))
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def corrupt_expert(root: Path, key: ExpertKey, precision: str, where: float = 0.5) -> Path:
