@@ -12,7 +12,7 @@ rc=0
 for model in ${1:-all}; do
   case $model in all) models="mixtral qwen3_moe" ;; *) models=$model ;; esac
   for m in $models; do
-    timeout 290 python3 tools/bench.py --model "$m" --tokens 16 --reps 2 --slow-tokens 2 --arms "$arms" --copy-sweep \
+    timeout 340 python3 tools/bench.py --model "$m" --tokens 16 --reps 2 --slow-tokens 2 --arms "$arms" --copy-sweep --cold-read-gb 1 \
       --hf-dir "$hf" --out "$out" 2>&1 | grep -v '%|' | tail -30 || rc=1
     rm -rf "$hf" /tmp/tiers-bench-*
   done

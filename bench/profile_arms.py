@@ -140,6 +140,7 @@ def main() -> int:
         summary["arms"][name] = row
         print(name, json.dumps(row), flush=True)
 
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
     if "all_gpu" in arms:
         one("all_gpu", model)
     model.save_pretrained(work / "hf")
@@ -149,7 +150,7 @@ def main() -> int:
     shutil.rmtree(work / "hf", ignore_errors=True)
     for name in [a for a in arms if a.startswith("tiers_")]:
         _, pct, precision = name.split("_")
-        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100}, "cpu": {"fraction": 1 - int(pct) / 100, "precision": precision},
+        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100}, "cpu": {"budget": expert_bytes, "precision": precision},
                          "nvme": {"precision": precision}}}
         m = tiers.load(work / "packed", cfg, device=device, progress=False)
         one(name, m)

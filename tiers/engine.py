@@ -34,7 +34,7 @@ from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
 from tiers.disk_store import DiskStore
-from tiers.host_pool import HostPool, assert_pinned, copy_h2d_async
+from tiers.host_pool import HostPool, assert_pinned
 from tiers.cache import LruSlots, make_cache
 from tiers.policy import Placement
 from tiers.prefetch import Prefetcher
@@ -78,7 +78,8 @@ class Handle:
 
 
 class TierManager(Prefetcher):
-    MAPS = 16  # pinned slot-map buffers in the ring
+    MAPS = 16  # pinned index buffers in the ring (slot maps, host-routed decode indices)
+    HOST_ROUTED_ROWS = 64  # a layer call with at most this many (token, pick) rows brings its picks to the host
     def __init__(
         self,
         manifest: Manifest,
@@ -103,6 +104,10 @@ class TierManager(Prefetcher):
         self.transit_done: dict[tuple[int, int], Any] = {}  # transit row -> its last dequantization's end
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device) -> field views
         self.stats_ = StatsCollector()
+        # generate's decode stage (see integration.load): True while it runs, when this device
+        # follows transformers' switch from grouped_mm to batched_mm for decode (not on the CPU)
+        self.decoding = False
+        self.batched_decode = device.type != "cpu"
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
         self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
         # Prefetched cold experts are read on reader threads; their slot is held until the read lands.
@@ -147,7 +152,10 @@ class TierManager(Prefetcher):
                 self.ring_bytes[id(pool)] = max(manifest.layers[L].blobs[cfg.nvme.precision].stride for L in g.layers)
         ring_total = sum(self.ring_bytes[id(p)] * (p.n_slots - self.hot_count[id(p)]) for p in self.pools if id(p) in self.ring_bytes)
         promote_bytes = Rebalancer.buffer_bytes(manifest, cfg, placement) if rebalancing else 0
-        map_len = max(e.layout.num_experts for e in manifest.layers.values()) + 1
+        # int64 entries per ring buffer: a slot map [E+1], or a host-routed call's int32 indices
+        # (4 per row, plus an offset per slot of its pool)
+        map_len = max(max(e.layout.num_experts for e in manifest.layers.values()) + 1,
+                      (4 * self.HOST_ROUTED_ROWS + max(g.n_slots for g in placement.groups) + 1) // 2 + 1)
         self.host = HostPool(warm_bytes + ring_total + promote_bytes + self.MAPS * align(map_len * 8, BLOB_ALIGN), pin=device.type == "cuda")
         self.warm_bytes = warm_bytes
         # Pinned expert -> slot maps for the grouped forward, used round robin: a non_blocking copy
@@ -331,7 +339,7 @@ class TierManager(Prefetcher):
                 start = self.streams.event(timing=True)
                 start.record(self.copy_stream)
             if lossless:
-                assert_pinned(src, self.device)
+                self._check_pinned(src)
                 blob.dequantize_views(self._views(blob, src), pool.tensors(slot))  # the H2D copies land straight in the slot
                 ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
             else:
@@ -340,7 +348,8 @@ class TierManager(Prefetcher):
                 done = self.transit_done.pop(row, None)
                 if done is not None:
                     self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
-                copy_h2d_async(transit, src)
+                self._check_pinned(src)
+                transit.copy_(src, non_blocking=True)
                 landed = self.streams.event()
                 landed.record(self.copy_stream)
         if not lossless:
@@ -365,21 +374,42 @@ class TierManager(Prefetcher):
         sentinel id ``num_experts`` -> ``n_slots``), copied without a host sync."""
         pool = self.pool_of[layer]
         n = self.manifest.layers[layer].layout.num_experts
+        host, i = self._ring_buffer()
+        host = host[: n + 1]
+        host.fill_(pool.n_slots)
+        host[experts] = torch.tensor(slots, dtype=torch.int64)
+        return self._upload(host, i)
+
+    def upload_ints(self, values: list[int]) -> torch.Tensor:
+        """``values`` as an int32 tensor on the device, through the pinned ring (no host sync)."""
+        host, i = self._ring_buffer()
+        host = host.view(torch.int32)[: len(values)]
+        host.copy_(torch.tensor(values, dtype=torch.int32))
+        return self._upload(host, i)
+
+    def _ring_buffer(self) -> tuple[torch.Tensor, int]:
+        """The next pinned buffer of the ring, once the copy that last read it has run."""
         i = self.next_map
         self.next_map = (i + 1) % self.MAPS
         if self.map_copied[i] is not None:
             self.map_copied[i].synchronize()  # the copy that last read this buffer (16 calls ago: long done)
-        host = self.maps[i][: n + 1]
-        host.fill_(pool.n_slots)
-        host[experts] = torch.tensor(slots, dtype=torch.int64)
+        return self.maps[i], i
+
+    def _upload(self, host: torch.Tensor, i: int) -> torch.Tensor:
         if self.device.type != "cuda":
             return host.clone()  # no copy to make: the caller must not alias the ring
-        dev = torch.empty(n + 1, dtype=torch.int64, device=self.device)
-        copy_h2d_async(dev, host)
+        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+        self._check_pinned(host)
+        dev.copy_(host, non_blocking=True)
         done = self.streams.event()
         done.record(self.streams.current())
         self.map_copied[i] = done
         return dev
+
+    def _check_pinned(self, src: torch.Tensor) -> None:
+        """Every H2D source is a view of the host pool: pinned when the pool is, checked per copy otherwise."""
+        if not self.host.pinned:
+            assert_pinned(src, self.device)
 
     def _views(self, blob: Any, buf: torch.Tensor) -> dict:
         """``blob.views(buf)``, made once per (blob layout, address): transit rows, ring buffers and
@@ -392,22 +422,51 @@ class TierManager(Prefetcher):
 
     def wait(self, h: Handle) -> None:
         """Make the compute stream wait for ``h``'s copy; call right before its first kernel."""
+        self.wait_all([h])
+
+    def wait_all(self, held: list[Handle]) -> None:
+        """Make the compute stream wait for every held expert's pending copy, right before the first
+        kernel that reads them. Per stream one wait suffices, on the latest of those ready events:
+        a stream runs in order, so it also covers the earlier ones."""
+        latest: dict[int, tuple[int, Any]] = {}
+        for h in held:
+            pending = h.pool.take_ready(h.slot)
+            if pending is None:
+                continue
+            ev, stream, order = pending
+            if id(stream) not in latest or order > latest[id(stream)][0]:
+                latest[id(stream)] = (order, ev)
+            self.table.apply(h.key, Op.READY)
+        if not latest:
+            return
         compute = self.streams.current()
         e0 = None
-        if self.timing and h.pool.ready[h.slot] is not None:
+        if self.timing:
             e0 = self.streams.event(timing=True)
             e0.record(compute)
-        if h.pool.wait_ready(h.slot, compute):
-            self.table.apply(h.key, Op.READY)
-            if e0 is not None:
-                e1 = self.streams.event(timing=True)
-                e1.record(compute)
-                self.stats_.timed("stall", e0, e1)
+        for _, ev in latest.values():
+            compute.wait_event(ev)
+        if e0 is not None:
+            e1 = self.streams.event(timing=True)
+            e1.record(compute)
+            self.stats_.timed("stall", e0, e1)
 
     def release(self, h: Handle) -> None:
         """The expert's kernels are queued: record the last-read event; the slot may be reused after it.
         Hot slots are never rewritten, so they need no event."""
-        h.pool.end_read(h.slot, self.streams.current(), record=not self.table[h.key].pinned)
+        self.release_all([h])
+
+    def release_all(self, held: list[Handle]) -> None:
+        """``release`` for experts whose kernels were queued together: one last-read event for all."""
+        ev = None
+        for h in held:
+            if self.table[h.key].pinned:
+                h.pool.end_read_at(h.slot, None)
+                continue
+            if ev is None:
+                ev = self.streams.event()
+                ev.record(self.streams.current())
+            h.pool.end_read_at(h.slot, ev)
 
     def count_static(self, layer: int, top_k_index: torch.Tensor) -> None:
         """Count a static layer's distinct experts as gpu hits without a sync: for one token on the

@@ -39,12 +39,6 @@ def assert_pinned(src: torch.Tensor, device: torch.device) -> None:
         )
 
 
-def copy_h2d_async(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Queue ``dst.copy_(src)`` on the current stream without a host sync."""
-    assert_pinned(src, dst.device)
-    dst.copy_(src, non_blocking=True)
-
-
 class HostPool:
     def __init__(self, capacity: int, *, pin: bool):
         self.capacity = max(align(capacity, BLOB_ALIGN), BLOB_ALIGN)

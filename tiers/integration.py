@@ -15,13 +15,22 @@ patched):
 """
 from __future__ import annotations
 
+import contextlib
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig, GenerationConfig, PreTrainedModel
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward, grouped_mm_experts_forward
+
+try:  # the grouped linear transformers' grouped_mm forward runs (kernel choice, CPU alignment fallback)
+    from transformers.integrations.moe import _grouped_linear
+except ImportError:  # a transformers without it: the same operation on torch's grouped_mm
+    def _grouped_linear(input, weight, offs, bias=None, is_transposed=False):
+        out = torch._grouped_mm(input.to(weight.dtype), weight if is_transposed else weight.transpose(-2, -1), offs=offs)
+        return out + bias if bias is not None else out
 
 from loader.layout import ExpertKey, discover_layout, find_experts_modules
 from loader.packed import Manifest, file_crc32, read_manifest
@@ -50,30 +59,46 @@ class LayerBinding:
 WHOLE_LAYER = 0.9  # predicted share of a layer's experts above which its whole layer is staged, in order
 
 
-def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> tuple[list[int], list[int]]:
-    """The experts this call uses, ascending, with the number of (token, pick) rows routed to each
-    expert id (sentinel included), and (one sync for all) the predicted experts of the next
-    layers, which are recorded and staged ahead into free staging slots."""
+def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> tuple[list[int], list[int], list[int] | None]:
+    """The experts this call uses (ascending), the number of (token, pick) rows routed to each
+    expert id (sentinel included), and, for a call of at most ``HOST_ROUTED_ROWS`` rows (decode),
+    the picks themselves in row order (else None). One sync brings these back together with the
+    predicted experts of the next layers, which are recorded and staged ahead into free slots."""
     n = self.num_experts
     flat = top_k_index.reshape(-1)
-    flags = torch.zeros(1 + len(binding.lookahead), n + 1, dtype=torch.int32, device=top_k_index.device)  # [1+d, E+1]
-    flags[0].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # rows per expert
+    rows_n = flat.numel()
+    host_picks = rows_n <= TierManager.HOST_ROUTED_ROWS
+    d = len(binding.lookahead)
+    flags = torch.zeros(d + (not host_picks), n + 1, dtype=torch.int32, device=top_k_index.device)  # [(1+)d, E+1]
+    if not host_picks:
+        flags[0].index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # rows per expert
+    ahead = flags[(not host_picks):]
     k = top_k_index.shape[-1]
     for i, (_, weight) in enumerate(binding.lookahead):
         logits = hidden_states.to(weight.dtype) @ weight.t()  # [T, E'] the next layer's router on this layer's input
-        flags[i + 1, : weight.shape[0]].index_fill_(0, torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1), 1)
+        ahead[i, : weight.shape[0]].index_fill_(0, torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1), 1)
     # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
-    rows = flags.tolist()
-    counts = rows[0]
+    if host_picks:
+        values = torch.cat([flat.to(torch.int32), flags.reshape(-1)]).tolist() if d else flat.tolist()
+        picks = values[:rows_n]
+        counts = [0] * (n + 1)
+        for e in picks:
+            counts[e] += 1
+        rows = [values[rows_n + i * (n + 1) : rows_n + (i + 1) * (n + 1)] for i in range(d)]
+        if counts[n]:  # sentinel picks (expert parallelism): leave them to the device-side path
+            picks = None
+    else:
+        table = flags.tolist()
+        counts, rows, picks = table[0], table[1:], None
     hit = [e for e in range(n) if counts[e]]
     mgr = binding.manager
     mgr.note_used(binding.layer, hit)
-    for (layer, weight), row in zip(binding.lookahead, rows[1:]):
+    for (layer, weight), row in zip(binding.lookahead, rows):
         predicted = [e for e, used in enumerate(row[: weight.shape[0]]) if used]
         if len(predicted) >= WHOLE_LAYER * weight.shape[0]:
             predicted = list(range(weight.shape[0]))
         mgr.note_prediction(layer, predicted)
-    return hit, counts
+    return hit, counts, picks
 
 
 def _prefetch(binding: LayerBinding) -> None:
@@ -96,7 +121,7 @@ def tiers_experts_forward(
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
         expert_mask = expert_mask.permute(2, 1, 0)  # [E+1, k, T]
-        hit, _ = _route(self, binding, hidden_states, top_k_index)
+        hit, _, _ = _route(self, binding, hidden_states, top_k_index)
     binding.manager.begin_call(binding.layer, hit, hidden_states.shape[0])
     up_name = "gate_up_proj" if self.has_gate else "up_proj"
     prefetched = not binding.lookahead
@@ -126,8 +151,7 @@ def _binding(module: torch.nn.Module) -> LayerBinding:
 class _SlotExperts:
     """The experts module seen through the slots: ``<tensor>[slot]`` is the expert in that slot.
 
-    transformers' grouped_mm forward runs on it unchanged, with expert ids mapped to slot ids;
-    ids equal to ``num_experts`` (one past the last slot) are sentinels whose rows it drops.
+    transformers' grouped_mm forward runs on it unchanged, with expert ids mapped to slot ids.
     """
 
     def __init__(self, module: torch.nn.Module, slabs: dict[str, torch.Tensor], n_slots: int):
@@ -143,6 +167,15 @@ class _SlotExperts:
             setattr(self, name, slab)
 
 
+def _proxy(module: torch.nn.Module, slabs: dict[str, torch.Tensor], n_slots: int) -> _SlotExperts:
+    """The module's proxy over these slabs, made once (slabs never move)."""
+    cache = module.__dict__.setdefault("_tiers_proxies", {})
+    proxy = cache.get(id(slabs))
+    if proxy is None:
+        proxy = cache[id(slabs)] = _SlotExperts(module, slabs, n_slots)
+    return proxy
+
+
 def tiers_grouped_experts_forward(
     self: torch.nn.Module,
     hidden_states: torch.Tensor,  # [T, H]
@@ -154,34 +187,69 @@ def tiers_grouped_experts_forward(
     static = mgr.static_maps.get(binding.layer)
     if static is not None:  # every expert of this layer is hot: no sync, no staging, no events
         mgr.count_static(binding.layer, top_k_index)
+        # In generate's decode stage on a GPU, transformers runs its grouped_mm experts as
+        # batched_mm; a layer whose experts are all hot does exactly what the untiered one does.
+        forward = batched_mm_experts_forward if mgr.decoding else grouped_mm_experts_forward
         view = mgr.static_views.get(binding.layer)
         if view is not None:
-            return grouped_mm_experts_forward(_SlotExperts(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
+            return forward(_proxy(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
         pool = mgr.pool_of[binding.layer]
-        return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
+        return forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
     with torch.no_grad():
-        hit, counts = _route(self, binding, hidden_states, top_k_index)
+        hit, counts, picks = _route(self, binding, hidden_states, top_k_index)
     mgr.begin_call(binding.layer, hit, hidden_states.shape[0])
     if not hit:  # no routed expert: grouped_mm would leave every row unwritten
         return torch.zeros_like(hidden_states)
     pool = mgr.pool_of[binding.layer]
     need = sum(not mgr.table[ExpertKey(binding.layer, e)].pinned for e in hit)
     held = mgr.acquire_layer(binding.layer, hit) if need <= pool.n_slots - mgr.hot_count[id(pool)] else None
-    if held is not None:  # the whole call fits: transformers' grouped forward on the slots, as is
-        _prefetch(binding)
-        try:
-            ids = _slot_ids(mgr, binding.layer, hit, held, top_k_index)  # [T, k]
-            return grouped_mm_experts_forward(_SlotExperts(self, pool.slabs, pool.n_slots), hidden_states, ids, top_k_weights)
-        finally:
-            for h in held:
-                mgr.release(h)
-    return _grouped_in_parts(self, binding, hidden_states, top_k_index, top_k_weights, counts, _chunks(mgr, binding.layer, hit))
+    if held is None:
+        return _grouped_in_parts(self, binding, hidden_states, top_k_index, top_k_weights, counts, _chunks(mgr, binding.layer, hit))
+    _prefetch(binding)
+    try:
+        proxy = _proxy(self, pool.slabs, pool.n_slots)
+        if picks is not None:
+            return _grouped_host_routed(proxy, mgr, held, hidden_states, top_k_weights, picks, top_k_index.shape[-1])
+        # the whole call fits: transformers' grouped forward on the slots, as is
+        ids = _slot_ids(mgr, binding.layer, hit, held, top_k_index)  # [T, k]
+        return grouped_mm_experts_forward(proxy, hidden_states, ids, top_k_weights)
+    finally:
+        mgr.release_all(held)
+
+
+def _grouped_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidden_states: torch.Tensor,
+                         top_k_weights: torch.Tensor, picks: list[int], k: int) -> torch.Tensor:
+    """transformers' grouped_mm forward for a call whose picks the host knows (decode): the sort by
+    slot, its inverse and the per-slot offsets are made on the host and go up in one pinned copy,
+    so the device runs the two grouped GEMMs and a handful of gathers, nothing else."""
+    slot_of = {h.key.expert: h.slot for h in held}
+    slots = [slot_of[e] for e in picks]  # per (token, pick) row
+    n = len(slots)
+    order = sorted(range(n), key=slots.__getitem__)  # rows grouped by slot (stable)
+    back = [0] * n
+    for pos, row in enumerate(order):
+        back[row] = pos
+    per_slot = [0] * proxy.num_experts
+    for s in slots:
+        per_slot[s] += 1
+    idx = mgr.upload_ints([row // k for row in order] + order + back + [slots[r] for r in order] + list(itertools.accumulate(per_slot)))
+    tok, rows, inverse, slot_ids, offsets = idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n], idx[3 * n : 4 * n], idx[4 * n :]
+    mgr.wait_all(held)
+    up = "gate_up_proj" if proxy.has_gate else "up_proj"
+    bias = getattr(proxy, up + "_bias")[slot_ids] if proxy.has_bias else None
+    h = _grouped_linear(hidden_states[tok], getattr(proxy, up), offsets, bias=bias, is_transposed=proxy.is_transposed)  # [n, 2I] or [n, I]
+    h = proxy._apply_gate(h) if proxy.has_gate else proxy.act_fn(h)  # [n, I]
+    bias = proxy.down_proj_bias[slot_ids] if proxy.has_bias else None
+    y = _grouped_linear(h, proxy.down_proj, offsets, bias=bias, is_transposed=proxy.is_transposed)  # [n, H]
+    if proxy.has_post_expert_norm:
+        y = proxy.post_expert_norm(y)
+    y = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)  # [n, H]
+    return y[inverse].view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # [T, H], summed as transformers does
 
 
 def _slot_ids(mgr: TierManager, layer: int, experts: list[int], held: list, expert_ids: torch.Tensor) -> torch.Tensor:
     """Wait for the held experts' copies, then map ``expert_ids`` (any shape) to slot ids on the device."""
-    for h in held:
-        mgr.wait(h)
+    mgr.wait_all(held)
     slot_of = mgr.slot_map(layer, experts, [h.slot for h in held])  # [E+1] expert -> slot, sentinel n_slots
     return slot_of.to(expert_ids.dtype)[expert_ids]
 
@@ -201,7 +269,7 @@ def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, t
     for c in counts:
         start.append(start[-1] + c)  # start[e]: first sorted row of expert e
     acc = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)  # [T, H]
-    proxy = _SlotExperts(self, pool.slabs, pool.n_slots)
+    proxy = _proxy(self, pool.slabs, pool.n_slots)
     for i, chunk in enumerate(chunks):
         held = mgr.acquire_layer(binding.layer, chunk)
         assert held is not None, f"layer {binding.layer}: experts {chunk} do not fit the staging slots"
@@ -215,8 +283,7 @@ def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, t
             part = grouped_mm_experts_forward(proxy, hidden_states[tok], ids, weights[rows].unsqueeze(1))  # [n, H]
             acc.index_add_(0, tok, part.float())
         finally:
-            for h in held:
-                mgr.release(h)
+            mgr.release_all(held)
     return acc.to(hidden_states.dtype)
 
 
@@ -334,10 +401,34 @@ def load(
         mod._tiers_binding = LayerBinding(layer, manager, ahead)
     _register()
     model.set_experts_implementation(GROUPED if cfg.gpu.compute == "grouped" else IMPLEMENTATION)
+    _follow_decode_switch(model, manager)
     if (manifest.root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(manifest.root)
     setattr(model, _MANAGER_ATTR, manager)
     return model.eval()
+
+
+def _follow_decode_switch(model: PreTrainedModel, manager: TierManager) -> None:
+    """transformers' generate runs its decode stage inside ``model._optimize_model_for_decode()``,
+    which on a GPU swaps grouped_mm experts for batched_mm (fewer kernels for a token or a few).
+    The tiers implementation is not swapped; it learns of the stage here instead, so layers whose
+    experts are all hot run what the untiered model runs. A transformers without the hook leaves
+    ``manager.decoding`` False: grouped kernels throughout."""
+    enter = getattr(model, "_optimize_model_for_decode", None)
+    if enter is None:
+        return
+
+    @contextlib.contextmanager
+    def optimize_for_decode():
+        before = manager.decoding
+        manager.decoding = manager.batched_decode
+        try:
+            with enter():
+                yield
+        finally:
+            manager.decoding = before
+
+    model._optimize_model_for_decode = optimize_for_decode
 
 
 def _router_weight(model: torch.nn.Module, experts_name: str, experts: torch.nn.Module) -> torch.Tensor | None:

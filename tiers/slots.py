@@ -11,6 +11,7 @@ on the copy stream after the write) before its first kernel reads the slot.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ class SlotPool:
         self.readers = [0] * n_slots
         self.last_read: list[Any | None] = [None] * n_slots
         self.ready: list[Any | None] = [None] * n_slots
+        self.ready_on: list[tuple[Any, int] | None] = [None] * n_slots  # (stream, record order) of each pending ready event
 
     @property
     def key(self) -> tuple:
@@ -66,6 +68,7 @@ class SlotPool:
         ev = event if event is not None else self._event()
         ev.record(copy_stream)
         self.ready[slot] = ev
+        self.ready_on[slot] = (copy_stream, next(_RECORDS))
         return ev
 
     def hold(self, slot: int) -> None:
@@ -83,6 +86,24 @@ class SlotPool:
         self.ready[slot] = None
         return True
 
+    def take_ready(self, slot: int) -> tuple[Any, Any, int] | None:
+        """The slot's pending write as (event, stream, record order), now the caller's to wait on; None if none."""
+        assert self.readers[slot] > 0, f"slot {slot} is waited on without being held"
+        ev = self.ready[slot]
+        if ev is None:
+            return None
+        self.ready[slot] = None
+        stream, order = self.ready_on[slot]
+        return ev, stream, order
+
+    def end_read_at(self, slot: int, event: Any | None) -> None:
+        """Give the slot back; ``event`` (already recorded after its reader's kernels, shared by the
+        slots released together) becomes its last read, or None for a hold that queued no kernel."""
+        assert self.readers[slot] > 0, f"slot {slot} released more often than held"
+        self.readers[slot] -= 1
+        if event is not None:
+            self.last_read[slot] = event
+
     def end_read(self, slot: int, compute_stream: Any, *, record: bool = True) -> None:
         """Give the slot back. ``record=False`` is for holds that queued no kernel reading the slot:
         hot slots (never rewritten) and a read-ahead's hold while its disk read is in flight."""
@@ -93,3 +114,6 @@ class SlotPool:
         ev = self._event()
         ev.record(compute_stream)
         self.last_read[slot] = ev
+
+
+_RECORDS = itertools.count()  # the order ready events are recorded in, across pools: later on a stream covers earlier

@@ -96,6 +96,48 @@ def test_grouped_tiers_with_more_experts_than_staging_slots(device, checkpoint_f
     assert all(r == 0 for p in manager_of(model).pools for r in p.readers)
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_all_hot_layers_follow_transformers_decode_switch(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
+    """generate's decode stage runs transformers' grouped_mm experts as batched_mm on a GPU (not on
+    the CPU). Layers whose experts are all hot do the same, so Tiers at a 100% budget runs the
+    untiered model's kernels: bit-identical logits on CUDA. On the CPU the switch is forced here
+    to test the same logic: batched in every decode step, grouped in prefill, logits close."""
+    import tiers.integration as integ
+
+    calls = {"batched": 0, "grouped": 0}
+    batched, grouped = integ.batched_mm_experts_forward, integ.grouped_mm_experts_forward
+    monkeypatch.setattr(integ, "batched_mm_experts_forward", lambda *a: calls.__setitem__("batched", calls["batched"] + 1) or batched(*a))
+    monkeypatch.setattr(integ, "grouped_mm_experts_forward", lambda *a: calls.__setitem__("grouped", calls["grouped"] + 1) or grouped(*a))
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory(model_type), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model = tiers.load(packed_factory(model_type), {"tiers": {"gpu": {"fraction": 1.0}}}, device=device, progress=False)
+    mgr = manager_of(model)
+    layers = len(mgr.manifest.layers)
+    assert len(mgr.static_maps) == layers
+    mgr.batched_decode = True  # what a GPU does; the CPU default is False, as in transformers
+    ids = prompt(device)
+    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
+    assert calls == {"grouped": layers, "batched": layers * (GEN["max_new_tokens"] - 1)}, calls
+    assert not mgr.decoding, "the decode flag must be cleared when generate returns"
+    assert torch.equal(a.sequences, b.sequences)
+    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
+        if device.type == "cuda":
+            assert torch.equal(la, lb), f"decode step {step} differs"
+        else:
+            sqnr = 10 * torch.log10(la.float().pow(2).sum() / (la.float() - lb.float()).pow(2).sum().clamp_min(1e-30)).item()
+            assert sqnr >= 40.0, f"decode step {step}: logits SQNR {sqnr:.1f} dB"
+
+
+def test_decode_switch_stays_off_on_the_cpu_by_default(checkpoint_factory, packed_factory, monkeypatch):
+    import tiers.integration as integ
+
+    used = []
+    monkeypatch.setattr(integ, "batched_mm_experts_forward", lambda *a: used.append(1))
+    model = tiers.load(packed_factory("mixtral"), {"tiers": {"gpu": {"fraction": 1.0}}}, device="cpu", progress=False)
+    model.generate(prompt(torch.device("cpu")), max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert not used and not manager_of(model).batched_decode
+
+
 @pytest.mark.parametrize("tokens,staging", [(1, 1), (64, 2)])
 def test_grouped_parts_match_grouped_mm_with_routing_held_fixed(tokens, staging, device, checkpoint_factory, packed_factory, monkeypatch):
     """Parts run grouped_mm over their own (token, pick) rows and sum per token in fp32. Against

@@ -53,7 +53,7 @@ def test_cached_staging_slot_is_a_gpu_hit(packed_factory):
 
 
 # -- the copy pipeline, observed through recording streams ----------------------------------------
-def _recorded_manager(packed, staging=4, cache="lru"):
+def _recorded_manager(packed, staging=4, cache="lru", cpu="int8"):
     from test_slots import Recorder, RecordingStreams
 
     from loader.packed import read_manifest
@@ -63,7 +63,7 @@ def _recorded_manager(packed, staging=4, cache="lru"):
 
     rec = Recorder()
     streams = RecordingStreams(rec)
-    cfg = load_config({"tiers": {"gpu": {"fraction": 0.4, "staging_slots": staging, "cache": cache}, "cpu": {"fraction": 0.5}}})
+    cfg = load_config({"tiers": {"gpu": {"fraction": 0.4, "staging_slots": staging, "cache": cache}, "cpu": {"fraction": 0.5, "precision": cpu}}})
     manifest = read_manifest(packed)
     mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
     return mgr, rec, streams
@@ -130,3 +130,61 @@ def test_slot_maps_are_exact_and_never_alias_the_ring(packed_factory, device):
         assert m.device.type == device.type and torch.equal(m.cpu(), want)
     assert first.cpu()[2] == 1 and first.cpu()[7] == pool.n_slots  # not changed by the next map
     assert second.cpu()[7] == 4 and second.cpu()[2] == pool.n_slots
+
+
+@pytest.mark.parametrize("cpu", ["int8", "bf16"])
+def test_wait_all_waits_once_per_stream_on_the_latest_copy(packed_factory, cpu):
+    """A layer call's held experts: the compute stream waits once per stream that wrote them, on
+    the latest of their ready events (a stream runs in order, so it covers the others), and every
+    one of their ready events was recorded on that stream no later than the one waited on. With
+    bf16 warm and INT8 cold experts the writes end on two streams (copy and dequant)."""
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=6, cpu=cpu)
+    layer = 1
+    experts = list(range(8))
+    held = mgr.acquire_layer(layer, experts[:6])
+    assert held is not None
+    pending = {h.slot: (h.pool.ready[h.slot], h.pool.ready_on[h.slot][0]) for h in held if h.pool.ready[h.slot] is not None}
+    assert len(pending) >= 2, "the call must stage several experts"
+    start = len(rec.order)
+    mgr.wait_all(held)
+    waits = [o for o in rec.order[start:] if o[0] == "wait"]
+    streams_used = {id(st) for _, st in pending.values()}
+    assert len(waits) == len(streams_used) and all(w[1] is streams.compute for w in waits)
+    where = {id(o[2]): i for i, o in enumerate(rec.order) if o[0] == "record"}
+    for w in waits:
+        on = next(st for ev, st in pending.values() if ev is w[2])
+        covered = [ev for ev, st in pending.values() if st is on]
+        assert all(where[id(ev)] <= where[id(w[2])] for ev in covered), "an expert's copy is not covered by the wait"
+        assert all(rec.order[where[id(ev)]][1] is on for ev in covered)
+    assert all(h.pool.ready[h.slot] is None for h in held)
+    mgr.release_all(held)
+
+
+def test_release_all_records_one_last_read_for_the_staged_and_none_for_hot(packed_factory):
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=3)
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps and any(mgr.table[ExpertKey(L, e)].pinned for e in range(8)))
+    hot = [e for e in range(8) if mgr.table[ExpertKey(layer, e)].pinned]
+    staged = [e for e in range(8) if e not in hot][:3]
+    assert hot and staged
+    held = mgr.acquire_layer(layer, sorted(hot + staged))
+    mgr.wait_all(held)
+    before = {h.slot: h.pool.last_read[h.slot] for h in held}
+    start = len(rec.order)
+    mgr.release_all(held)
+    records = [o for o in rec.order[start:] if o[0] == "record"]
+    assert len(records) == 1 and records[0][1] is streams.compute
+    for h in held:
+        if h.key.expert in hot:
+            assert h.pool.last_read[h.slot] is before[h.slot]
+        else:
+            assert h.pool.last_read[h.slot] is records[0][2]
+    assert all(r == 0 for p in mgr.pools for r in p.readers)
+
+
+def test_upload_ints_is_exact_and_never_aliases_the_ring(packed_factory, device):
+    mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
+    values = [[i * 7 - 3 for i in range(n)] for n in (1, 5, 4 * mgr.HOST_ROUTED_ROWS + mgr.pools[0].n_slots)]
+    got = [mgr.upload_ints(v) for _ in range(mgr.MAPS + 2) for v in values]  # around the ring and past it
+    for i, t in enumerate(got):
+        want = values[i % len(values)]
+        assert t.device.type == device.type and t.dtype == torch.int32 and t.cpu().tolist() == want
