@@ -12,15 +12,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-@dataclass(frozen=True, order=True)
-class ExpertKey:
-    """One expert of one MoE layer."""
+class ExpertKey(NamedTuple):
+    """One expert of one MoE layer (a tuple: hashed and compared in C, on every lookup of the serving path)."""
 
     layer: int
     expert: int

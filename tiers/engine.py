@@ -18,6 +18,7 @@ stubs), through an injectable ``Streams`` object, so CPU tests exercise the same
 """
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -79,6 +80,7 @@ class Handle:
 
 class TierManager(Prefetcher):
     MAPS = 16  # pinned index buffers in the ring (slot maps, host-routed decode indices)
+    LOAD_THREADS = 8  # reader threads at load time (pread and the first read's CRC32 release the GIL)
     HOST_ROUTED_ROWS = 64  # a layer call with at most this many (token, pick) rows brings its picks to the host
     def __init__(
         self,
@@ -208,32 +210,43 @@ class TierManager(Prefetcher):
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
+        """Read every hot expert into its slot and every warm one into its place in the pinned pool.
+        Reads (and their first-read checksums) run on ``LOAD_THREADS`` threads; hot experts are read
+        ahead into a few scratch buffers while this thread copies the previous ones up, in order."""
         bar = tqdm(total=len(self.placement.hot) + len(self.placement.warm), desc="loading experts", unit="expert", disable=not progress)
         next_hot: dict[int, int] = {id(p): 0 for p in self.pools}
-        scratch = torch.empty(0, dtype=torch.uint8)
-        gp = self.cfg.gpu.precision
-        for key in self.placement.hot:
-            pool = self.pool_of[key.layer]
-            slot = next_hot[id(pool)]
-            next_hot[id(pool)] += 1
-            ref = self.manifest.ref(key, gp)
-            if scratch.numel() < ref.nbytes:
-                scratch = torch.empty(ref.nbytes, dtype=torch.uint8)
-            self.disk.read(key, gp, scratch)
-            blob = self.manifest.blob(key, gp)
-            src = scratch[: ref.nbytes] if quant.get_scheme(gp).lossless else scratch[: ref.nbytes].to(self.device)
-            pool.owner[slot] = key
-            blob.dequantize_into(src, pool.tensors(slot))
-            self.table.apply(key, Op.PLACE_HOT, slot)
-            bar.update(1)
-        cp = self.cfg.cpu.precision
-        for key in self.placement.warm:
-            ref = self.manifest.ref(key, cp)
-            self.disk.read(key, cp, self.host.view(self.table[key].host_offset, ref.nbytes))
-            bar.update(1)
+        gp, cp = self.cfg.gpu.precision, self.cfg.cpu.precision
+        hot = list(self.placement.hot)
+        threads = max(1, min(self.LOAD_THREADS, os.cpu_count() or 1))
+        with ThreadPoolExecutor(threads, thread_name_prefix="tiers-load") as pool_:
+            if hot:
+                ahead = min(4, threads, len(hot))  # scratch buffers in flight: bounded host memory
+                size = max(self.manifest.ref(k, gp).nbytes for k in hot)
+                scratch = [torch.empty(size, dtype=torch.uint8) for _ in range(ahead)]
+                reads = {i: pool_.submit(self.disk.read, hot[i], gp, scratch[i]) for i in range(ahead)}
+                for i, key in enumerate(hot):
+                    reads.pop(i).result()
+                    pool = self.pool_of[key.layer]
+                    slot = next_hot[id(pool)]
+                    next_hot[id(pool)] += 1
+                    nbytes = self.manifest.ref(key, gp).nbytes
+                    buf = scratch[i % ahead][:nbytes]
+                    src = buf if quant.get_scheme(gp).lossless else buf.to(self.device)
+                    pool.owner[slot] = key
+                    # a copy from pageable memory returns once the bytes are taken: the buffer is free again
+                    self.manifest.blob(key, gp).dequantize_into(src, pool.tensors(slot))
+                    self.table.apply(key, Op.PLACE_HOT, slot)
+                    if i + ahead < len(hot):
+                        reads[i + ahead] = pool_.submit(self.disk.read, hot[i + ahead], gp, scratch[i % ahead])
+                    bar.update(1)
+            warm = [pool_.submit(self.disk.read, key, cp, self.host.view(self.table[key].host_offset, self.manifest.ref(key, cp).nbytes))
+                    for key in self.placement.warm]
+            for f in warm:
+                f.result()
+                bar.update(1)
         bar.close()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # hot copies from pageable scratch must land before it is freed
+            torch.cuda.synchronize(self.device)
 
     # -- serving -------------------------------------------------------------------------
     def begin_call(self, layer: int, experts: list[int], tokens: int) -> None:
