@@ -210,18 +210,60 @@ def tiers_grouped_experts_forward(
         proxy = _proxy(self, pool.slabs, pool.n_slots)
         if picks is not None:
             return _grouped_host_routed(proxy, mgr, held, hidden_states, top_k_weights, picks, top_k_index.shape[-1])
-        # the whole call fits: transformers' grouped forward on the slots, as is
-        ids = _slot_ids(mgr, binding.layer, hit, held, top_k_index)  # [T, k]
-        return grouped_mm_experts_forward(proxy, hidden_states, ids, top_k_weights)
+        return _grouped_device_routed(proxy, mgr, binding.layer, held, hidden_states, top_k_index, top_k_weights, counts)
     finally:
         mgr.release_all(held)
+
+
+WINDOW_GAP = 8  # this many unused slots or more between two used ones: separate grouped GEMMs
+
+
+def _windows(slot_rows: list[tuple[int, int]]) -> list[dict]:
+    """Windows of the slab for grouped GEMMs over rows sorted by slot.
+
+    ``slot_rows``: (slot, rows routed to it), ascending by slot, rows > 0. A grouped GEMM's cost
+    grows with its number of groups, and one pool's slab holds the slots of many layers (Qwen3 at
+    50%: 784), so each GEMM gets only a window ``[lo, hi)`` around used slots: a window closes when
+    ``WINDOW_GAP`` or more unused slots lie between its last used slot and the next. Each window: its slots, its row range
+    ``[a, b)``, and its per-slot cumulative row offsets relative to ``a``."""
+    windows: list[dict] = []
+    row = 0
+    for slot, n in slot_rows:
+        if not windows or slot - windows[-1]["hi"] >= WINDOW_GAP:
+            windows.append({"lo": slot, "hi": slot, "a": row, "b": row, "offs": []})
+        w = windows[-1]
+        w["offs"].extend([row - w["a"]] * (slot - w["hi"]))  # empty slots inside the window
+        row += n
+        w["offs"].append(row - w["a"])
+        w["hi"], w["b"] = slot + 1, row
+    return windows
+
+
+def _run_windows(proxy: _SlotExperts, xs: torch.Tensor, windows: list[dict], offsets: torch.Tensor,
+                 slot_ids: torch.Tensor | None) -> torch.Tensor:
+    """The experts' MLP on ``xs`` (rows sorted by slot, ``[n, H]``), one pair of grouped GEMMs per
+    window. ``offsets``: every window's offsets, concatenated (int32, on the device);
+    ``slot_ids``: each row's slot, for biases."""
+    up = "gate_up_proj" if proxy.has_gate else "up_proj"
+    outs, at = [], 0
+    for w in windows:
+        lo, hi, a, b = w["lo"], w["hi"], w["a"], w["b"]
+        offs = offsets[at : at + hi - lo]
+        at += hi - lo
+        bias = getattr(proxy, up + "_bias")[slot_ids[a:b]] if proxy.has_bias else None
+        h = _grouped_linear(xs[a:b], getattr(proxy, up)[lo:hi], offs, bias=bias, is_transposed=proxy.is_transposed)  # [m, 2I] or [m, I]
+        h = proxy._apply_gate(h) if proxy.has_gate else proxy.act_fn(h)  # [m, I]
+        bias = proxy.down_proj_bias[slot_ids[a:b]] if proxy.has_bias else None
+        outs.append(_grouped_linear(h, proxy.down_proj[lo:hi], offs, bias=bias, is_transposed=proxy.is_transposed))  # [m, H]
+    y = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return proxy.post_expert_norm(y) if proxy.has_post_expert_norm else y
 
 
 def _grouped_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidden_states: torch.Tensor,
                          top_k_weights: torch.Tensor, picks: list[int], k: int) -> torch.Tensor:
     """transformers' grouped_mm forward for a call whose picks the host knows (decode): the sort by
-    slot, its inverse and the per-slot offsets are made on the host and go up in one pinned copy,
-    so the device runs the two grouped GEMMs and a handful of gathers, nothing else."""
+    slot, its inverse and the windows' offsets are made on the host and go up in one pinned copy,
+    so the device runs the grouped GEMMs and a handful of gathers, nothing else."""
     slot_of = {h.key.expert: h.slot for h in held}
     slots = [slot_of[e] for e in picks]  # per (token, pick) row
     n = len(slots)
@@ -229,37 +271,51 @@ def _grouped_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidd
     back = [0] * n
     for pos, row in enumerate(order):
         back[row] = pos
-    per_slot = [0] * proxy.num_experts
+    per_slot: dict[int, int] = {}
     for s in slots:
-        per_slot[s] += 1
-    idx = mgr.upload_ints([row // k for row in order] + order + back + [slots[r] for r in order] + list(itertools.accumulate(per_slot)))
+        per_slot[s] = per_slot.get(s, 0) + 1
+    windows = _windows(sorted(per_slot.items()))
+    idx = mgr.upload_ints([row // k for row in order] + order + back + [slots[r] for r in order] + [o for w in windows for o in w["offs"]])
     tok, rows, inverse, slot_ids, offsets = idx[:n], idx[n : 2 * n], idx[2 * n : 3 * n], idx[3 * n : 4 * n], idx[4 * n :]
     mgr.wait_all(held)
-    up = "gate_up_proj" if proxy.has_gate else "up_proj"
-    bias = getattr(proxy, up + "_bias")[slot_ids] if proxy.has_bias else None
-    h = _grouped_linear(hidden_states[tok], getattr(proxy, up), offsets, bias=bias, is_transposed=proxy.is_transposed)  # [n, 2I] or [n, I]
-    h = proxy._apply_gate(h) if proxy.has_gate else proxy.act_fn(h)  # [n, I]
-    bias = proxy.down_proj_bias[slot_ids] if proxy.has_bias else None
-    y = _grouped_linear(h, proxy.down_proj, offsets, bias=bias, is_transposed=proxy.is_transposed)  # [n, H]
-    if proxy.has_post_expert_norm:
-        y = proxy.post_expert_norm(y)
+    y = _run_windows(proxy, hidden_states[tok], windows, offsets, slot_ids)  # [n, H]
     y = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)  # [n, H]
     return y[inverse].view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # [T, H], summed as transformers does
 
 
-def _slot_ids(mgr: TierManager, layer: int, experts: list[int], held: list, expert_ids: torch.Tensor) -> torch.Tensor:
-    """Wait for the held experts' copies, then map ``expert_ids`` (any shape) to slot ids on the device."""
+def _sorted_by_slot(mgr: TierManager, layer: int, held: list, expert_ids: torch.Tensor, counts: list[int]):
+    """Rows of ``expert_ids`` (flat, on the device) sorted by their expert's slot, and the windows.
+    Host-side counts per expert give the windows without a sync; rows of experts not held (the
+    sentinel, other parts) sort last and fall outside every window."""
     mgr.wait_all(held)
-    slot_of = mgr.slot_map(layer, experts, [h.slot for h in held])  # [E+1] expert -> slot, sentinel n_slots
-    return slot_of.to(expert_ids.dtype)[expert_ids]
+    experts = [h.key.expert for h in held]
+    slot_of = mgr.slot_map(layer, experts, [h.slot for h in held])  # [E+1] expert -> slot, the rest -> n_slots
+    slot_ids, order = torch.sort(slot_of[expert_ids], stable=True)  # [m]
+    windows = _windows(sorted((h.slot, counts[h.key.expert]) for h in held if counts[h.key.expert]))
+    offsets = mgr.upload_ints([o for w in windows for o in w["offs"]])
+    return slot_ids, order, windows, offsets
+
+
+def _grouped_device_routed(proxy: _SlotExperts, mgr: TierManager, layer: int, held: list, hidden_states: torch.Tensor,
+                           top_k_index: torch.Tensor, top_k_weights: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The whole call in one go when its picks stay on the device (prefill): sorted by slot there,
+    windows from the host-side counts, then summed over each token's picks as transformers does."""
+    k = top_k_index.shape[-1]
+    slot_ids, order, windows, offsets = _sorted_by_slot(mgr, layer, held, top_k_index.reshape(-1), counts)
+    routed = windows[-1]["b"] if windows else 0
+    rows = order[:routed]
+    y = _run_windows(proxy, hidden_states[rows // k], windows, offsets, slot_ids)  # [routed, H]
+    y = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)
+    out = torch.zeros(order.shape[0], y.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, rows, y)  # [T*k, H]
+    return out.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
 def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], chunks: list[list[int]]) -> torch.Tensor:
     """A call whose experts do not fit the staging slots at once, in parts of consecutive experts.
 
     The (token, pick) rows are sorted by expert once; a part's rows are then one contiguous range
-    (its bounds come from the host-side counts, no sync), so each part's grouped forward runs over
-    its own rows only, and its output is added into an fp32 sum per token."""
+    (its bounds come from the host-side counts, no sync), which is sorted by slot and run through
+    the windows' grouped GEMMs, and its output is added into an fp32 sum per token."""
     mgr = binding.manager
     pool = mgr.pool_of[binding.layer]
     k = top_k_index.shape[-1]
@@ -277,11 +333,11 @@ def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, t
             _prefetch(binding)
         try:
             a, b = start[chunk[0]], start[chunk[-1] + 1]
-            rows = order[a:b]  # [n] flat (token, pick) rows of this part
+            slot_ids, by_slot, windows, offsets = _sorted_by_slot(mgr, binding.layer, held, sorted_ids[a:b], counts)
+            rows = order[a:b][by_slot]  # [n] flat (token, pick) rows of this part, by slot
             tok = rows // k  # [n]
-            ids = _slot_ids(mgr, binding.layer, chunk, held, sorted_ids[a:b]).unsqueeze(1)  # [n, 1]
-            part = grouped_mm_experts_forward(proxy, hidden_states[tok], ids, weights[rows].unsqueeze(1))  # [n, H]
-            acc.index_add_(0, tok, part.float())
+            part = _run_windows(proxy, hidden_states[tok], windows, offsets, slot_ids)  # [n, H]
+            acc.index_add_(0, tok, (part * weights[rows].unsqueeze(-1)).float())
         finally:
             mgr.release_all(held)
     return acc.to(hidden_states.dtype)
