@@ -112,6 +112,7 @@ class TierManager(Prefetcher):
         self.batched_decode = device.type != "cpu"
         self.recorded: list[ExpertKey] | None = None  # set to a list to record every lookup (a routing trace)
         self.prefetched: dict[ExpertKey, int] = {}  # staged ahead and not yet used -> bytes
+        self.demand_reads: set[ExpertKey] = set()  # cold misses of the current call read in parallel, not yet looked up
         # Prefetched cold experts are read on reader threads; their slot is held until the read lands.
         rebalancing = cfg.rebalance.every_tokens > 0 and len(placement.hot) < len(manifest.keys)
         if rebalancing:
@@ -269,6 +270,9 @@ class TierManager(Prefetcher):
         r = self.table[key]
         pool = self.pool_of[key.layer]
         lru = self.cache[id(pool)]
+        demand = key in self.demand_reads
+        if demand:
+            self.demand_reads.discard(key)
         if self.recorded is not None:
             self.recorded.append(key)
         if not r.pinned:
@@ -276,8 +280,8 @@ class TierManager(Prefetcher):
         if r.slot is not None and (id(pool), r.slot) in self.pending:
             self._complete((id(pool), r.slot))  # its disk read is in flight: land it first
             r = self.table[key]
-        if r.slot is not None:
-            self.stats_.lookup("gpu")
+        if r.slot is not None:  # resident; or read ahead for this very call, a miss served by its home tier
+            self.stats_.lookup(r.home.value if demand else "gpu")
             if self.prefetched.pop(key, None) is not None:
                 self.stats_.prefetch_used += 1
             if not r.pinned:
@@ -494,17 +498,43 @@ class TierManager(Prefetcher):
 
     def acquire_layer(self, layer: int, experts: list[int]) -> list[Handle] | None:
         """Hold all of ``experts`` at once (staging the misses), or None (holding nothing) if the
-        misses outnumber the staging slots free now."""
+        misses outnumber the staging slots free now. Two or more cold misses are first read in
+        parallel on the reader threads; each one's copy is queued when its turn comes."""
         self.pump()
+        self._read_cold_ahead(layer, experts)
         held: list[Handle] = []
-        for e in experts:
-            h = self.try_acquire(ExpertKey(layer, e))
-            if h is None:
-                for g in held:
-                    self.release(g)
-                return None
-            held.append(h)
+        try:
+            for e in experts:
+                h = self.try_acquire(ExpertKey(layer, e))
+                if h is None:
+                    self.release_all(held)
+                    return None
+                held.append(h)
+        except BaseException:  # a failed read (IntegrityError) must not leave slots held
+            self.release_all(held)
+            raise
         return held
+
+    def _read_cold_ahead(self, layer: int, experts: list[int]) -> None:
+        """Start the disk reads of a call's cold misses together, when there are two or more and
+        the unheld staging slots hold every expert of the call that is not hot (so a read-ahead
+        never takes a slot the call itself needs). One blob at a time on the compute thread
+        leaves the disk idle between reads: small blobs read faster several at once."""
+        if self.reader_threads is None:
+            return
+        cold = [e for e in experts if self.table[ExpertKey(layer, e)].slot is None and self.table[ExpertKey(layer, e)].home is Home.NVME]
+        if len(cold) < 2:
+            return
+        pool = self.pool_of[layer]
+        free = sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
+        if sum(not self.table[ExpertKey(layer, e)].pinned for e in experts) > free:
+            return
+        lru = self.cache[id(pool)]
+        for e in cold:
+            key = ExpertKey(layer, e)
+            if not self._read_ahead(key, pool, lru):
+                return
+            self.demand_reads.add(key)
 
     def serve_layer(self, layer: int, experts: list[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Yield ``(expert, weights)`` in the given order, staging ahead into free slots.

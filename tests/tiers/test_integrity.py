@@ -309,3 +309,79 @@ def test_verify_always_through_load(packed_copy):
 def test_verify_mode_is_validated(packed_copy):
     with pytest.raises(ValueError, match="verify"):
         DiskStore(read_manifest(packed_copy), ["bf16"], verify="sometimes")
+
+
+def _cold_call(mgr, pl, n: int = 3):
+    """A layer whose cold experts give a call of ``n`` cold misses that fits the staging slots."""
+    by_layer: dict[int, list[int]] = {}
+    for k in pl.cold:
+        by_layer.setdefault(k.layer, []).append(k.expert)
+    layer, experts = max(by_layer.items(), key=lambda kv: len(kv[1]))
+    staging = mgr.pool_of[layer].n_slots - mgr.hot_count[id(mgr.pool_of[layer])]
+    return layer, sorted(experts)[: min(n, staging)]
+
+
+def test_cold_misses_of_one_call_are_read_in_parallel_and_served_exact(packed_copy, monkeypatch):
+    import threading
+    import time
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
+                     "nvme": {"precision": "bf16", "reader_threads": 4}}}
+    pl = placement(packed_copy, cfg)
+    mgr = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
+    layer, experts = _cold_call(mgr, pl)
+    assert len(experts) >= 2
+    active, peak, lock = [0], [0], threading.Lock()
+    read = mgr.disk.read
+
+    def slow_read(*a, **k):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        time.sleep(0.05)
+        try:
+            return read(*a, **k)
+        finally:
+            with lock:
+                active[0] -= 1
+
+    monkeypatch.setattr(mgr.disk, "read", slow_read)
+    before = mgr.stats()
+    mgr.begin_call(layer, experts, 1)
+    held = mgr.acquire_layer(layer, experts)
+    mgr.wait_all(held)
+    assert peak[0] >= 2, "the call's cold reads ran one at a time"
+    for h in held:
+        want = decoded(packed_copy, h.key, "bf16")
+        for name, t in h.tensors.items():
+            assert torch.equal(t, want[name]), (h.key, name)
+    mgr.release_all(held)
+    after = mgr.stats()
+    assert after.hits["nvme"] - before.hits["nvme"] == len(experts), "read-ahead demand misses count as nvme hits"
+    assert after.hits["gpu"] == before.hits["gpu"]
+    assert after.bytes_moved["nvme"] - before.bytes_moved["nvme"] == sum(mgr.manifest.ref(h.key, "bf16").nbytes for h in held)
+    assert all(r == 0 for p in mgr.pools for r in p.readers) and not mgr.demand_reads
+
+
+def test_a_corrupt_blob_among_parallel_cold_reads_raises_and_holds_nothing(packed_copy):
+    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
+                     "nvme": {"precision": "bf16", "reader_threads": 4}}}
+    pl = placement(packed_copy, cfg)
+    probe = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
+    layer, experts = _cold_call(probe, pl)
+    bad = ExpertKey(layer, experts[1])
+    path = corrupt_expert(packed_copy, bad, "bf16")
+    mgr = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
+    with pytest.raises(tiers.IntegrityError) as ei:
+        mgr.acquire_layer(layer, experts)
+    assert_names(ei, path, bad)
+    mgr.drain()
+    assert all(r == 0 for p in mgr.pools for r in p.readers), "a failed call left slots held"
+    assert mgr.table[bad].slot is None
+    good = [e for e in experts if e != bad.expert]
+    held = mgr.acquire_layer(layer, good)  # the rest are still served, exact
+    mgr.wait_all(held)
+    for h in held:
+        want = decoded(packed_copy, h.key, "bf16")
+        assert all(torch.equal(t, want[n]) for n, t in h.tensors.items())
+    mgr.release_all(held)

@@ -15,7 +15,7 @@ from tiers.disk_store import drop_page_cache
 from tools import coldread
 
 MODEL = "mixtral"
-RATE_FIELDS = ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial")
+RATE_FIELDS = ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel")
 
 
 @pytest.fixture
@@ -50,6 +50,9 @@ def test_measure_counts_every_blob_once_per_pass(packed, precision):
     assert r["o_direct_best_gbps"] == best
     assert r["ratio"] == pytest.approx(r["diskstore"]["gbps"] / best)
     assert r["meets_target"] is (r["ratio"] >= 0.9)
+    assert_rate(r["diskstore_parallel"], nbytes)  # several blobs at once, as a call's cold misses are read
+    assert r["diskstore_parallel"]["workers"] == 2
+    assert r["ratio_parallel"] == pytest.approx(r["diskstore_parallel"]["gbps"] / best)
     assert r["page_cache_dropped"] is hasattr(os, "posix_fadvise")
     json.dumps(r)  # JSON-able as it stands
 
@@ -64,9 +67,9 @@ def test_small_requests_split_strides_and_chunks_without_losing_bytes(packed):
 def test_rounds_alternate_the_order_and_add_up(packed):
     _, strides, nbytes = sums(packed, "int8")
     r = coldread.measure(packed, "int8", threads=2, read_threads=1, rounds=3, progress=False)
-    arms = ["o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial"]
+    arms = ["o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel"]
     assert r["order"] == [arms, arms[::-1], arms]
-    for name, per_round in zip(arms, [strides, strides, nbytes, nbytes]):
+    for name, per_round in zip(arms, [strides, strides, nbytes, nbytes, nbytes]):
         assert_rate(r[name], 3 * per_round)
         assert len(r[name]["rounds_gbps"]) == 3 and all(g > 0 for g in r[name]["rounds_gbps"])
     assert (r["diskstore"]["read_threads"], r["diskstore_serial"]["read_threads"]) == (1, 0)
@@ -76,7 +79,7 @@ def test_rounds_alternate_the_order_and_add_up(packed):
 def test_read_threads_zero_has_no_serial_twin(packed):
     r = coldread.measure(packed, "int8", threads=2, read_threads=0, progress=False)
     assert r["diskstore"]["read_threads"] == 0 and r["diskstore_serial"] is None
-    assert r["order"] == [["o_direct_single", "o_direct_threads", "diskstore"]]
+    assert r["order"] == [["o_direct_single", "o_direct_threads", "diskstore", "diskstore_parallel"]]
 
 
 def test_limit_bytes_picks_whole_blobs_in_file_order(packed):
@@ -89,6 +92,7 @@ def test_limit_bytes_picks_whole_blobs_in_file_order(packed):
     r = coldread.measure(packed, "int8", threads=1, limit_bytes=3 * stride + 1, progress=False)
     assert r["blobs"] == 3 and r["o_direct_single"]["bytes"] == 3 * stride
     assert r["o_direct_threads"] is None  # one thread: the single stream is the only O_DIRECT pass
+    assert r["diskstore_parallel"] is None and r["ratio_parallel"] is None
 
 
 def test_dropped_cache_is_really_empty(packed):
@@ -114,6 +118,7 @@ def _check_unsupported(r: dict, root: Path) -> None:
     assert "O_DIRECT" in r["o_direct_error"] and str(root) in r["o_direct_error"]
     assert r["o_direct_single"] is None and r["o_direct_threads"] is None
     assert r["ratio"] is None and r["meets_target"] is None and r["o_direct_best_gbps"] is None
+    assert r["ratio_parallel"] is None
     assert_rate(r["diskstore"], nbytes)  # DiskStore is still measured
 
 
