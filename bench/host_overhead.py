@@ -49,13 +49,13 @@ def measure(calls: int, staging: int, cache: str, packed: Path, seed: int = 0) -
     def run():
         for L, experts in plan:
             mgr.begin_call(L, experts, 1)
-            room = max(1, staging // 2)  # as the grouped forward splits a call: parts of half the staging slots
+            # as the grouped forward does: the whole call when it fits the staging slots, else
+            # parts of half of them; one wait and one release per part
+            room = len(experts) if len(experts) <= staging else max(1, staging // 2)
             for i in range(0, len(experts), room):
                 held = mgr.acquire_layer(L, experts[i : i + room])
-                for h in held:
-                    mgr.wait(h)
-                for h in held:
-                    mgr.release(h)
+                mgr.wait_all(held)
+                mgr.release_all(held)
 
     run()  # warm-up
     times, misses = [], []

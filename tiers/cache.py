@@ -108,12 +108,24 @@ class ForecastSlots(LruSlots):
         self.in_call: set[ExpertKey] = set()  # experts the current call uses
         self._counted: set[ExpertKey] = set()  # ... and has looked up so far
         self._avg: dict[ExpertKey, tuple[float, float, int]] = {}  # key -> (fast, slow, at call)
+        # slot -> its owner's wait, within the current call: a wait changes only when its owner
+        # changes, or when the call uses it (then it is -1 through ``in_call``)
+        self._waits: dict[int, float] = {}
 
     def visit(self, layer: int, keys: Iterable[ExpertKey] = ()) -> None:
         self.calls[layer] = self.calls.get(layer, 0) + 1
         self.current = layer
         self.in_call = set(keys)
         self._counted = set()
+        self._waits.clear()
+
+    def assign(self, slot: int, key: ExpertKey) -> None:
+        self._waits.pop(slot, None)
+        super().assign(slot, key)
+
+    def forget(self, slot: int) -> None:
+        self._waits.pop(slot, None)
+        super().forget(slot)
 
     def _averages(self, key: ExpertKey) -> tuple[float, float]:
         f, s, at = self._avg.get(key, (0.0, 0.0, self.calls.get(key.layer, 0)))
@@ -143,18 +155,21 @@ class ForecastSlots(LruSlots):
         n = max(len(self.position), 1)
         here = self.position.get(self.current)
         fast, slow, calls, avg, position, in_call = 1.0 - self.fast, 1.0 - self.slow, self.calls, self._avg, self.position, self.in_call
+        waits = self._waits
         best, best_wait = None, None
         for s in free:  # in LRU order: the first of equal waits wins, as with max()
             key = self._owner[s]
             if key in in_call:
                 w = -1.0
             else:
-                there = position.get(key.layer)
-                d = n if here is None or there is None else ((there - here) % n or n)
-                now = calls.get(key.layer, 0)
-                f, sl, at = avg.get(key, (0.0, 0.0, now))
-                p = max(f * fast ** (now - at), sl * slow ** (now - at), 1e-6)
-                w = d + n * (1.0 / p - 1.0)
+                w = waits.get(s)
+                if w is None:
+                    there = position.get(key.layer)
+                    d = n if here is None or there is None else ((there - here) % n or n)
+                    now = calls.get(key.layer, 0)
+                    f, sl, at = avg.get(key, (0.0, 0.0, now))
+                    p = max(f * fast ** (now - at), sl * slow ** (now - at), 1e-6)
+                    w = waits[s] = d + n * (1.0 / p - 1.0)
             if best_wait is None or w > best_wait:
                 best, best_wait = s, w
         return best
