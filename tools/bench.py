@@ -323,6 +323,7 @@ def run(args) -> dict:
 
         try:
             result["cold_read"] = coldread.measure(packed, "int8", threads=args.reader_threads, limit_bytes=int(args.cold_read_gb * 1e9))
+            result["cold_read"]["packed_dir"] = "(the bench's temporary pack)"  # a temporary path says nothing
         except Exception as e:  # reported, the rest of the results still land
             result["cold_read"] = {"error": f"{type(e).__name__}: {e}"}
     bar.update(1)
