@@ -15,7 +15,8 @@ layers, by default), saves and packs it, then measures each arm in one run:
 - ``<arm>@skewed``: the same arm routed by a skewed, sticky trace (``tools.routing``), with the
   rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off.
 
-Per arm: decode ms/token and tok/s at batch 1, prefill time, bytes moved per token per source
+Per arm: decode ms/token and tok/s at batch 1 (Tiers arms also against an all-GPU measurement of
+the same routing taken just before them), prefill time, bytes moved per token per source
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 ``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
@@ -179,6 +180,17 @@ def run(args) -> dict:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    # A fresh all-GPU model with the same weights stays beside the Tiers arms: each one is paired
+    # with an all-GPU measurement of the same routing taken just before it (a machine whose speed
+    # drifts during a run moves both), and the all-GPU arms are measured on it again at the end.
+    tiers_arms = [a for a in arms if a.startswith("tiers_")]
+    again = [name for name in ("all_gpu", "all_gpu@skewed") if name in arms]
+    paired = build(args.model, shape, device) if tiers_arms or again else None
+
+    def paired_ms(name):
+        with routed(paired, name):
+            paired.generate(prompt, max_new_tokens=args.warmup_tokens, min_new_tokens=args.warmup_tokens, do_sample=False, pad_token_id=0)
+            return decode_ms_per_token(paired, prompt, args.tokens, device, reps)
 
     def tiers_arm(cfg, name):
         t0 = time.perf_counter()
@@ -257,7 +269,7 @@ def run(args) -> dict:
         mgr.close()
         return row
 
-    for name in [a for a in arms if a.startswith("tiers_")]:
+    for name in tiers_arms:
         frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
         # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
         slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
@@ -273,11 +285,12 @@ def run(args) -> dict:
                          # learn, and those arms keep the YAML default (off)
                          "rebalance": {"every_tokens": args.rebalance_every if name.endswith("@skewed") else 0}}}
         try:
+            before = paired_ms(name)
             row = tiers_arm(cfg, name)
         except Exception as e:
             failed(name, e)
             continue
-        row["config"] = cfg
+        row["paired_all_gpu_ms_per_token"] = before
         row["config"] = cfg
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")
@@ -288,18 +301,15 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
 
 
-    # The all-GPU arms once more, on a fresh model with the same weights: the first measurement
-    # also meets a cold machine, and each Tiers arm is held against the faster of the two.
-    again = [name for name in ("all_gpu", "all_gpu@skewed") if name in arms]
-    if again:
-        model = build(args.model, shape, device)
-        for name in again:
-            with routed(model, name):
-                measure(name + "/end", model, {"experts_implementation": model.config._experts_implementation})
-        del model
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    # The all-GPU arms once more: the first measurement also meets a cold machine, and each Tiers
+    # arm's bound is held against the faster of the two.
+    for name in again:
+        with routed(paired, name):
+            measure(name + "/end", paired, {"experts_implementation": paired.config._experts_implementation})
+    del paired
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
     # Skewed, sticky routing: what the cache policy gets against Belady on the same trace.
     manifest = read_manifest(packed)
@@ -359,6 +369,10 @@ def add_bounds(result: dict) -> dict:
             row["bound_ms_per_token"] = base + moved / H2D_BYTES_PER_S * 1e3
             row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
             row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
+            pair = row.get("paired_all_gpu_ms_per_token")
+            if pair is not None:  # against the all-GPU measurement taken just before the arm
+                row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
+                row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
             if baseline_.get("prefill_s") is not None:
                 row["prefill_bound_s"] = max(baseline_["prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
                 row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
@@ -371,19 +385,25 @@ def markdown(r: dict) -> str:
              f"Command: `{r['command']}`", "",
              f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; "
              f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']} (Tiers with the rebalancer on; `_norebal`: off).", "",
-             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | prefill s | prefill / bound | MiB moved/token (cpu, nvme, rebalance) "
+             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | paired all-GPU ms/token (ratio; overhead / bytes) "
+             "| prefill s | prefill / bound | MiB moved/token (cpu, nvme, rebalance) "
              "| H2D GB/s | GPU hit rate | GPU hits / Belady | prefetch accuracy | peak GPU GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, a in r["arms"].items():
         if "error" in a:
-            lines.append(f"| {name} | error: {a['error']} |" + " |" * 11)
+            lines.append(f"| {name} | error: {a['error']} |" + " |" * 12)
             continue
+        pair = a.get("paired_all_gpu_ms_per_token")
+        pair_text = "-" if pair is None else (
+            f"{pair:.1f} ({a['over_paired_all_gpu']:.2f}" + (f"; {a['paired_overhead_over_bytes_bound']:.2f})" if a.get("paired_overhead_over_bytes_bound") is not None else ")")
+            if "over_paired_all_gpu" in a else f"{pair:.1f}")
         moved = a.get("bytes_moved_per_token")
         vs = a.get("gpu_hits_vs_belady")
         lines.append("| " + " | ".join([
             name, f"{a['decode_ms_per_token']:.1f}", f"{a['decode_tok_s']:.2f}",
             f"{a['bound_ms_per_token']:.1f}" if "bound_ms_per_token" in a else "-",
             f"{a['overhead_over_bytes_bound']:.2f}" if a.get("overhead_over_bytes_bound") is not None else "-",
+            pair_text,
             f"{a['prefill_s']:.3f}",
             f"{a['prefill_over_bound']:.2f}" if "prefill_over_bound" in a else "-",
             f"{moved.get('cpu', 0) / mib:.1f}, {moved.get('nvme', 0) / mib:.1f}, {moved.get('rebalance', 0) / mib:.1f}" if moved else "-",

@@ -24,6 +24,12 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert moved > 0 and t["gpu_hit_rate"] < 1.0
     assert t["bound_ms_per_token"] == pytest.approx(base + moved / bench.H2D_BYTES_PER_S * 1e3)
     assert r["arms"]["tiers_100_bf16"]["gpu_hit_rate"] == 1.0
+    for name in ("tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"):  # each paired with an all-GPU measurement just before it
+        a = r["arms"][name]
+        assert a["paired_all_gpu_ms_per_token"] > 0
+        assert a["over_paired_all_gpu"] == pytest.approx(a["decode_ms_per_token"] / a["paired_all_gpu_ms_per_token"])
+    assert t["paired_overhead_over_bytes_bound"] == pytest.approx(
+        (t["decode_ms_per_token"] - t["paired_all_gpu_ms_per_token"]) / (moved / bench.H2D_BYTES_PER_S * 1e3))
     replay_hits, optimum = t["cache_hits_vs_belady"]
     assert replay_hits <= optimum
     for row in r["cache_replay"].values():
