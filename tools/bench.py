@@ -193,13 +193,15 @@ def run(args) -> dict:
             return decode_ms_per_token(paired, prompt, args.tokens, device, reps)
 
     def tiers_arm(cfg, name):
+        # the arm's own GPU memory: the paired all-GPU model stays allocated beside it
+        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
         m = tiers.load(packed, cfg, device=device, progress=False)
         load_s = time.perf_counter() - t0
         with routed(m, name):
-            return tiers_measure(m, load_s)
+            return tiers_measure(m, load_s, resident)
 
-    def tiers_measure(m, load_s):
+    def tiers_measure(m, load_s, resident):
         mgr = manager_of(m)
         kw = dict(do_sample=False, pad_token_id=0)
         gen = lambda n: m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
@@ -264,7 +266,7 @@ def run(args) -> dict:
         extra["prefill_s"] = prefill_seconds(m, prefill_ids, device, prefill_reps)
         extra["prefill_bytes_moved"] = sum(mgr.stats().bytes_moved.values()) / (prefill_reps + 1)  # timed() warms up once
         if device.type == "cuda":
-            extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device)
+            extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device) - resident
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, **extra}
         mgr.close()
         return row
