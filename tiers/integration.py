@@ -8,10 +8,13 @@ patched):
 - "tiers" (``compute: eager``) follows transformers' eager experts loop operation for operation
   with each expert's weights read from its GPU slot: all-bf16 logits are bit-identical to the
   untiered model running the eager implementation;
-- "tiers_grouped" (``compute: grouped``, the default) runs transformers' grouped_mm forward on a
-  view of the slots: bit-identical to untiered grouped_mm when a layer call's experts fit the
-  staging slots; when they do not, parts over their own rows summed in fp32 (bit-identical per
-  layer on the CPU, within one bf16 ulp on CUDA).
+- "tiers_grouped" (``compute: grouped``, the default): a layer whose experts are all hot runs
+  transformers' own grouped_mm forward (batched_mm in generate's decode stage on a GPU, as
+  transformers switches for an untiered model) on views of its slots; any other layer sorts its
+  (token, pick) rows by slot and runs grouped GEMMs over windows of the slab around the used
+  slots, summed per token as transformers sums them. Bit-identical to untiered grouped_mm when
+  a layer call's experts fit the staging slots; when they do not, parts over their own rows
+  summed in fp32 (bit-identical per layer on the CPU, within one bf16 ulp on CUDA).
 """
 from __future__ import annotations
 
