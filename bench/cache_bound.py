@@ -1,0 +1,118 @@
+"""How far the staging-slot cache is from Belady's MIN on the skewed trace, and why.
+
+    python bench/cache_bound.py [--tokens 256] [--out bench/results/cache_bound.json]
+
+The bench replays the cache policies against Belady's MIN on synthetic traces (capacity 25% of
+the experts, no pinned set). This asks what the remaining gap is made of, on the same traces
+(Mixtral's and Qwen3-30B-A3B's expert counts, per-layer Zipf s = 1.2, reuse 0.5):
+
+- ``oracle``: evicts the slot whose expert is next used farthest away, knowing the trace, but
+  like the engine never evicts an expert the current layer call uses. Its distance to Belady is
+  what that protection costs; the forecast's distance to it is what prediction costs.
+- ``forecast`` and variants of its victim rule, each from the same per-expert moving averages:
+  ``min_p`` (the least likely to be used at its layer's next call), ``p_over_d`` (that chance per
+  layer call of distance), and the shipped rule with other moving-average rates.
+
+Device-independent: replays count hits, they time nothing.
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tiers.cache import ForecastSlots, belady_hits, replay  # noqa: E402
+from tiers.trace import TraceModel, lookups  # noqa: E402
+
+COUNTS = {"mixtral": (8, 8, 2), "qwen3_moe": (12, 128, 8)}  # layers, experts, top-k
+
+
+class OracleSlots(ForecastSlots):
+    """Knows each lookup's next use; protects the current call's experts as the engine does."""
+
+    def __init__(self, slots, layers, next_use: list[int]):
+        super().__init__(slots, layers)
+        self.next_use, self.at, self.due = next_use, 0, {}
+
+    def access(self, key) -> None:
+        super().access(key)
+        self.due[key] = self.next_use[self.at]
+        self.at += 1
+
+    def _choose(self, free: list[int]) -> int:
+        return max(free, key=lambda s: -1 if self._owner[s] in self.in_call else self.due.get(self._owner[s], 0))
+
+
+class RuleSlots(ForecastSlots):
+    """The forecast's moving averages with another victim rule."""
+
+    def __init__(self, slots, layers, rule: str):
+        super().__init__(slots, layers)
+        self.rule = rule
+
+    def _choose(self, free: list[int]) -> int:
+        n = max(len(self.position), 1)
+
+        def score(s: int) -> float:  # larger: evicted first
+            key = self._owner[s]
+            if key in self.in_call:
+                return float("-inf")
+            p = max(*self._averages(key), 1e-6)
+            if self.rule == "min_p":
+                return -p
+            here, there = self.position.get(self.current), self.position.get(key.layer)
+            d = n if here is None or there is None else ((there - here) % n or n)
+            return -p / d
+
+        return max(free, key=score)
+
+
+def next_uses(seq: list) -> list[int]:
+    out, last = [len(seq)] * len(seq), {}
+    for i in range(len(seq) - 1, -1, -1):
+        out[i] = last.get(seq[i], len(seq))
+        last[seq[i]] = i
+    return out
+
+
+def measure(model: str, tokens: int = 256, seed: int = 0) -> dict:
+    layers_n, experts, k = COUNTS[model]
+    layers = list(range(layers_n))
+    seq = lookups(TraceModel(layers_n, experts, k, zipf_s=1.2, reuse_p=0.5, seed=seed).sample(tokens), layers)
+    cap = max(1, int(0.25 * layers_n * experts))
+    belady = belady_hits(seq, cap, set())
+    policies = {
+        "oracle": lambda s: OracleSlots(s, layers, next_uses(seq)),
+        "forecast": lambda s: ForecastSlots(s, layers),
+        "min_p": lambda s: RuleSlots(s, layers, "min_p"),
+        "p_over_d": lambda s: RuleSlots(s, layers, "p_over_d"),
+    }
+    for fast, slow in ((0.5, 0.02), (0.7, 0.02), (0.9, 0.01), (0.9, 0.05)):
+        policies[f"forecast_fast{fast}_slow{slow}"] = lambda s, f=fast, w=slow: ForecastSlots(s, layers, fast=f, slow=w)
+    row = {"counts": {"layers": layers_n, "experts": experts, "top_k": k}, "capacity": cap, "lookups": len(seq),
+           "belady_hit_rate": belady / len(seq)}
+    row["over_belady"] = {name: replay(seq, cap, set(), make) / belady for name, make in policies.items()}
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--out", default="bench/results/cache_bound.json")
+    args = ap.parse_args(argv)
+    result = {"command": "python bench/cache_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "trace": {"zipf_s": 1.2, "reuse_p": 0.5, "seed": 0, "tokens": args.tokens},
+              "models": {m: measure(m, args.tokens) for m in COUNTS}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for m, row in result["models"].items():
+        print(m, f"belady {row['belady_hit_rate']:.3f}", " ".join(f"{k} {v:.3f}" for k, v in row["over_belady"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
