@@ -515,6 +515,10 @@ class TierManager(Prefetcher):
             raise
         return held
 
+    def unheld_staging(self, pool: SlotPool) -> int:
+        """Staging slots of ``pool`` that nobody holds now."""
+        return sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
+
     def _read_cold_ahead(self, layer: int, experts: list[int]) -> None:
         """Start the disk reads of a call's cold misses together, when there are two or more and
         the unheld staging slots hold every expert of the call that is not hot (so a read-ahead
@@ -522,12 +526,12 @@ class TierManager(Prefetcher):
         leaves the disk idle between reads: small blobs read faster several at once."""
         if self.reader_threads is None:
             return
-        cold = [e for e in experts if self.table[ExpertKey(layer, e)].slot is None and self.table[ExpertKey(layer, e)].home is Home.NVME]
+        rows = [self.table[ExpertKey(layer, e)] for e in experts]
+        cold = [e for e, r in zip(experts, rows) if r.slot is None and r.home is Home.NVME]
         if len(cold) < 2:
             return
         pool = self.pool_of[layer]
-        free = sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
-        if sum(not self.table[ExpertKey(layer, e)].pinned for e in experts) > free:
+        if sum(not r.pinned for r in rows) > self.unheld_staging(pool):
             return
         lru = self.cache[id(pool)]
         for e in cold:

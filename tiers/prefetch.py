@@ -24,7 +24,7 @@ class Prefetcher:
         Stages at most as many as there are unheld staging slots, so it never evicts its own work."""
         pool = self.pool_of[layer]
         lru = self.cache[id(pool)]
-        free = sum(1 for s in range(self.hot_count[id(pool)], pool.n_slots) if pool.readers[s] == 0)
+        free = self.unheld_staging(pool)
         issued = 0
         for e in experts:
             if issued >= free:

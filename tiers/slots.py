@@ -77,13 +77,11 @@ class SlotPool:
 
     def wait_ready(self, slot: int, compute_stream: Any) -> bool:
         """Order the compute stream after a pending write of the slot. True if it had to wait."""
-        assert self.readers[slot] > 0, f"slot {slot} is waited on without being held"
-        ev = self.ready[slot]
-        if ev is None:
+        pending = self.take_ready(slot)
+        if pending is None:
             return False
         # Kernels about to be queued read this slot: they must not start before its copy lands.
-        compute_stream.wait_event(ev)
-        self.ready[slot] = None
+        compute_stream.wait_event(pending[0])
         return True
 
     def take_ready(self, slot: int) -> tuple[Any, Any, int] | None:
@@ -107,13 +105,10 @@ class SlotPool:
     def end_read(self, slot: int, compute_stream: Any, *, record: bool = True) -> None:
         """Give the slot back. ``record=False`` is for holds that queued no kernel reading the slot:
         hot slots (never rewritten) and a read-ahead's hold while its disk read is in flight."""
-        assert self.readers[slot] > 0, f"slot {slot} released more often than held"
-        self.readers[slot] -= 1
-        if not record:
-            return
-        ev = self._event()
-        ev.record(compute_stream)
-        self.last_read[slot] = ev
-
+        ev = None
+        if record:
+            ev = self._event()
+            ev.record(compute_stream)
+        self.end_read_at(slot, ev)
 
 _RECORDS = itertools.count()  # the order ready events are recorded in, across pools: later on a stream covers earlier
