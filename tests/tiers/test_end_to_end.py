@@ -44,6 +44,18 @@ def reference(src, device):
     return ref
 
 
+def assert_bit_identical(ref, model, device) -> None:
+    """Prefill logits and 8 greedy decode steps of ``model`` equal ``ref``'s exactly."""
+    ids = prompt(device)
+    with torch.no_grad():
+        assert torch.equal(ref(ids).logits, model(ids).logits)
+    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
+    assert torch.equal(a.sequences, b.sequences)
+    assert len(a.logits) == len(b.logits) == GEN["max_new_tokens"]
+    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
+        assert torch.equal(la, lb), f"decode step {step} differs"
+
+
 def prompt(device, batch=2, length=10):
     return torch.randint(3, 256, (batch, length), generator=torch.Generator().manual_seed(7)).to(device)
 
@@ -52,14 +64,7 @@ def prompt(device, batch=2, length=10):
 def test_bf16_tiers_are_bit_identical(model_type, device, checkpoint_factory, packed_factory):
     ref = reference(checkpoint_factory(model_type), device)
     model = tiers.load(packed_factory(model_type), BF16_EVERYWHERE, device=device, progress=False)
-    ids = prompt(device)
-    with torch.no_grad():
-        assert torch.equal(ref(ids).logits, model(ids).logits)
-    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
-    assert torch.equal(a.sequences, b.sequences)
-    assert len(a.logits) == len(b.logits) == 8
-    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
-        assert torch.equal(la, lb), f"decode step {step} differs"
+    assert_bit_identical(ref, model, device)
     s = tiers.stats(model).as_dict()
     assert s["hits"]["cpu"] > 0 and s["hits"]["nvme"] > 0, "misses must be served from both the cpu and the nvme tier"
     assert s["bytes_moved"]["cpu"] > 0 and s["bytes_moved"]["nvme"] > 0
@@ -71,13 +76,7 @@ def test_bf16_grouped_tiers_are_bit_identical_to_grouped_mm(model_type, device, 
     ref.set_experts_implementation("grouped_mm")
     model = tiers.load(packed_factory(model_type), BF16_GROUPED, device=device, progress=False)
     assert model.config._experts_implementation == "tiers_grouped"
-    ids = prompt(device)
-    with torch.no_grad():
-        assert torch.equal(ref(ids).logits, model(ids).logits)
-    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
-    assert torch.equal(a.sequences, b.sequences)
-    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
-        assert torch.equal(la, lb), f"decode step {step} differs"
+    assert_bit_identical(ref, model, device)
     s = tiers.stats(model).as_dict()
     assert s["hits"]["cpu"] > 0 and s["hits"]["nvme"] > 0
 
@@ -95,13 +94,7 @@ def test_grouped_windows_are_bit_identical_to_grouped_mm(gap, device, checkpoint
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
     ref.set_experts_implementation("grouped_mm")
     model = tiers.load(packed_factory("mixtral"), BF16_GROUPED, device=device, progress=False)
-    ids = prompt(device)
-    with torch.no_grad():
-        assert torch.equal(ref(ids).logits, model(ids).logits)
-    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
-    assert torch.equal(a.sequences, b.sequences)
-    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
-        assert torch.equal(la, lb), f"decode step {step} differs"
+    assert_bit_identical(ref, model, device)
     assert max(seen) > 1, f"no call used more than one window ({sorted(set(seen))})"
 
 
