@@ -79,12 +79,15 @@ class BlobLayout:
         return blob, sqnr
 
     def views(self, blob: torch.Tensor) -> dict[str, QuantizedTensor]:
-        """Zero-copy views of a uint8 blob (on any device) as the scheme's fields."""
+        """Zero-copy views of a uint8 blob (on any device) as the scheme's fields. A 2-D ``blob``
+        ``[n, bytes]`` (rows of equal layout, each row's stride a multiple of 256) gives fields
+        stacked ``[n, *shape]``, for schemes that dequantize several experts at once."""
+        lead = tuple(blob.shape[:-1])
         data: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _ in self.shapes}
         for pf in self.fields:
-            raw = blob[pf.offset : pf.offset + pf.spec.nbytes]
-            data[pf.tensor][pf.spec.name] = raw.view(pf.spec.dtype).view(pf.spec.shape)
-        return {name: QuantizedTensor(self.precision, shape, data[name]) for name, shape in self.shapes}
+            raw = blob[..., pf.offset : pf.offset + pf.spec.nbytes]
+            data[pf.tensor][pf.spec.name] = raw.view(pf.spec.dtype).view(lead + pf.spec.shape)
+        return {name: QuantizedTensor(self.precision, lead + shape, data[name]) for name, shape in self.shapes}
 
     def dequantize_into(self, blob: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
         """Decode a blob into the compute-dtype tensors ``out`` (slot memory), on the blob's device."""

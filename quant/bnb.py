@@ -24,6 +24,7 @@ def _functional():
 class Blockwise8:
     name = "bnb8"
     lossless = False
+    stacks = False
 
     def fields(self, shape: tuple[int, ...]) -> tuple[FieldSpec, ...]:
         numel = math.prod(shape)

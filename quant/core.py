@@ -49,6 +49,9 @@ class Scheme(Protocol):
 
     name: str
     lossless: bool
+    # True when ``dequantize`` also takes fields with leading batch dims (several experts stacked,
+    # ``out`` stacked the same way) and gives each expert exactly what it would alone
+    stacks: bool
 
     def fields(self, shape: tuple[int, ...]) -> tuple[FieldSpec, ...]: ...
 

@@ -13,6 +13,7 @@ from quant.core import FieldSpec, QuantizedTensor, register
 class Int8PerRow:
     name = "int8"
     lossless = False
+    stacks = True
 
     def fields(self, shape: tuple[int, ...]) -> tuple[FieldSpec, ...]:
         shape = tuple(shape)

@@ -9,6 +9,7 @@ from quant.core import FieldSpec, QuantizedTensor, register
 class Bf16:
     name = "bf16"
     lossless = True
+    stacks = True
 
     def fields(self, shape: tuple[int, ...]) -> tuple[FieldSpec, ...]:
         return (FieldSpec("data", torch.bfloat16, tuple(shape)),)

@@ -6,9 +6,13 @@ staging path between them, plus the stream and event discipline:
 - a miss claims a staging slot (the cache policy's victim among slots nobody holds), the copy
   stream waits on that slot's last-read event, and the expert's blob goes host -> device in one
   copy on the copy stream (from the pinned pool, or from disk through a pinned ring buffer):
-  straight into the slot when lossless, else into the slot's transit row, which a dequant
-  stream turns into the slot's weights while the copy stream moves on to the next blob; the
-  ready event is recorded after the last of these;
+  straight into the slot when lossless, else into the next row of a ring of transit rows, which
+  a dequant stream turns into the slot's weights while the copy stream moves on to the next
+  blob; the ready event is recorded after the last of these;
+- the misses of one layer call form a staging batch (``staging``): each copy is queued as soon
+  as its miss is claimed, but small lossy experts are dequantized a stack at a time (one launch
+  per tensor for up to ``STACK_EXPERTS``), and the slots of a stack share one ready event, so the
+  host's work per miss is one copy and its bookkeeping;
 - the compute stream waits on the ready event only right before the expert's first kernel;
 - after the expert's kernels are queued the slot's last-read event is recorded on the compute
   stream, and the slot may be reused only after that.
@@ -18,12 +22,14 @@ stubs), through an injectable ``Streams`` object, so CPU tests exercise the same
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,10 +84,39 @@ class Handle:
         return self.pool.tensors(self.slot)
 
 
+@dataclass
+class _Stack:
+    """Lossy copies into consecutive transit rows of one pool, to be dequantized together."""
+
+    pool: SlotPool
+    blob: Any
+    precision: str
+    row: int  # the first transit row
+    slots: list[int]
+
+
+@dataclass
+class _Batch:
+    """Writes staged since a batch opened (see ``TierManager.staging``)."""
+
+    start: Any = None  # timing event recorded before the first copy
+    staged: set = field(default_factory=set)  # (pool id, slot) written in this batch
+    waited: list = field(default_factory=list)  # events the copy stream already waits on
+    copied: dict = field(default_factory=dict)  # pool id -> (pool, slots written by the copy stream alone)
+    groups: dict[int, _Stack] = field(default_factory=dict)  # pool id -> its open stack
+    rings: list = field(default_factory=list)  # (pool id, slot) whose ring buffer a copy reads
+    last: Any = None  # the latest ready event issued
+
+
 class TierManager(Prefetcher):
     MAPS = 16  # pinned index buffers in the ring (slot maps, host-routed decode indices)
     LOAD_THREADS = 8  # reader threads at load time (pread and the first read's CRC32 release the GIL)
     HOST_ROUTED_ROWS = 64  # a layer call with at most this many (token, pick) rows brings its picks to the host
+    # A stack of lossy copies dequantized together: at most this many experts, and this many
+    # compute-dtype bytes of one tensor. A stack is dequantized only once its last copy has landed,
+    # so a small one keeps the copy engine's lead: the stacks before the last overlap later copies.
+    STACK_EXPERTS = 4
+    DEQUANT_SCRATCH = 64 << 20
     def __init__(
         self,
         manifest: Manifest,
@@ -104,6 +139,9 @@ class TierManager(Prefetcher):
         lossy = not all(quant.get_scheme(p).lossless for p in (cfg.cpu.precision, cfg.nvme.precision))
         self.dequant_stream = self.streams.new_stream() if lossy else self.copy_stream
         self.transit_done: dict[tuple[int, int], Any] = {}  # transit row -> its last dequantization's end
+        self.next_row: dict[int, int] = {}  # per pool: the transit row the next lossy copy goes to (a ring)
+        self.stack_limit: dict[int, int] = {}  # per pool: experts one stacked dequantization may take
+        self._batch: _Batch | None = None  # the open staging batch
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device) -> field views
         self.stats_ = StatsCollector()
         # generate's decode stage (see integration.load): True while it runs, when this device
@@ -141,6 +179,9 @@ class TierManager(Prefetcher):
             self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay, layers=g.layers)
             self.hot_count[id(pool)] = g.hot
             self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
+            self.next_row[id(pool)] = 0
+            largest = max(math.prod(t.shape) for t in layout.tensors) * self.dtype.itemsize
+            self.stack_limit[id(pool)] = min(g.staging, self.STACK_EXPERTS, self.DEQUANT_SCRATCH // largest)
             for L in g.layers:
                 self.pool_of[L] = pool
             self.keys_of[id(pool)] = [k for k in manifest.keys if k.layer in g.layers]
@@ -157,7 +198,7 @@ class TierManager(Prefetcher):
         promote_bytes = Rebalancer.buffer_bytes(manifest, cfg, placement) if rebalancing else 0
         # int64 entries per ring buffer: a slot map [E+1], or a host-routed call's int32 indices
         # (4 per row, plus an offset per slot of its pool)
-        map_len = max(max(e.layout.num_experts for e in manifest.layers.values()) + 1,
+        map_len = max(max(e.layout.num_experts for e in manifest.layers.values()) + 1, max(self.stack_limit.values(), default=0),
                       (4 * self.HOST_ROUTED_ROWS + max(g.n_slots for g in placement.groups) + 1) // 2 + 1)
         self.host = HostPool(warm_bytes + ring_total + promote_bytes + self.MAPS * align(map_len * 8, BLOB_ALIGN), pin=device.type == "cuda")
         self.warm_bytes = warm_bytes
@@ -343,48 +384,124 @@ class TierManager(Prefetcher):
         self.disk.read(key, precision, src)
         return precision, "nvme", src
 
+    @contextmanager
+    def staging(self) -> Iterator[None]:
+        """Batch the writes staged inside: each copy is queued at once, but the lossy ones'
+        dequantizations run stacked (``DEQUANT_SCRATCH`` bytes at a time) and the slots share ready
+        events, issued when the batch closes. Readers wait on a slot only after the batch closed.
+        Nested uses join the outer batch."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = _Batch()
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+            self._close(batch)  # also after an exception: the writes queued so far need their events
+
     def _stage(self, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor) -> Any:
-        """Queue ``src`` (pinned) -> slot on the copy stream; returns the slot's ready event.
-        ``source`` names the bytes in the stats: cpu, nvme, or rebalance (a hot promotion)."""
-        blob = self.manifest.blob(key, precision)
-        lossless = quant.get_scheme(precision).lossless
-        pool.begin_write(slot, key, self.copy_stream)
+        """Queue ``src`` (pinned) -> slot on the copy stream. ``source`` names the bytes in the stats:
+        cpu, nvme, or rebalance (a hot promotion). Inside ``staging()`` the write joins the batch and
+        None is returned; alone, it is a batch of one and its ready event is returned."""
+        if self._batch is None:
+            with self.staging():
+                self._stage(key, pool, slot, precision, source, src)
+            return pool.ready[slot]
+        b = self._batch
+        if (id(pool), slot) in b.staged:  # rewritten within the batch: what is queued for it closes first
+            self._close(b)
+            b = self._batch = _Batch()
+        b.staged.add((id(pool), slot))
         t0 = self.clock()
-        start = None
+        blob = self.manifest.blob(key, precision)
+        scheme = quant.get_scheme(precision)
+        pool.begin_write(slot, key, self.copy_stream, waited=b.waited)
+        if not scheme.lossless:
+            g = b.groups.get(id(pool))
+            row = self.next_row[id(pool)]
+            if g is not None and (g.precision != precision or row != g.row + len(g.slots) or len(g.slots) >= self.stack_limit[id(pool)]):
+                self._dequantize(b, b.groups.pop(id(pool)))  # the open stack cannot grow: dequantize it now
+            self.next_row[id(pool)] = (row + 1) % (pool.n_slots - self.hot_count[id(pool)])
         with self.streams.use(self.copy_stream):
-            if self.timing:
-                start = self.streams.event(timing=True)
-                start.record(self.copy_stream)
-            if lossless:
-                self._check_pinned(src)
+            if self.timing and b.start is None:
+                b.start = self.streams.event(timing=True)
+                b.start.record(self.copy_stream)
+            self._check_pinned(src)
+            if scheme.lossless:
                 blob.dequantize_views(self._views(blob, src), pool.tensors(slot))  # the H2D copies land straight in the slot
-                ready = pool.end_write(slot, self.copy_stream, event=self.streams.event(timing=self.timing))
+                b.copied.setdefault(id(pool), (pool, []))[1].append(slot)
             else:
-                row = (id(pool), slot - self.hot_count[id(pool)])
-                transit = self.transit[row[0]][row[1], : src.numel()]
-                done = self.transit_done.pop(row, None)
-                if done is not None:
+                done = self.transit_done.get((id(pool), row))
+                if done is not None and not any(done is w for w in b.waited):
                     self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
-                self._check_pinned(src)
-                transit.copy_(src, non_blocking=True)
-                landed = self.streams.event()
-                landed.record(self.copy_stream)
-        if not lossless:
-            # Dequantize on a stream of its own, so the next expert's copy up overlaps this one's
-            # dequantization; ordered after the copy (and so after the slot's last read).
-            with self.streams.use(self.dequant_stream):
-                self.dequant_stream.wait_event(landed)
-                blob.dequantize_views(self._views(blob, transit), pool.tensors(slot))
-            ready = pool.end_write(slot, self.dequant_stream, event=self.streams.event(timing=self.timing))
-            self.transit_done[row] = ready
+                    b.waited.append(done)
+                self.transit[id(pool)][row, : src.numel()].copy_(src, non_blocking=True)
+        if not scheme.lossless:
+            g = b.groups.get(id(pool))
+            if g is None:
+                g = b.groups[id(pool)] = _Stack(pool, blob, precision, row, [])
+            g.slots.append(slot)
+            if self.stack_limit[id(pool)] < 2 or not scheme.stacks:
+                # experts too large to stack: this one's dequantization overlaps the next one's copy
+                self._dequantize(b, b.groups.pop(id(pool)))
         if source == "nvme":
-            self.ring_busy[(id(pool), slot)] = ready
+            b.rings.append((id(pool), slot))
         self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()
-        if self.timing:
-            self.stats_.timed("stage", start, ready)
-        else:
+        if not self.timing:  # on the CPU copies run as they are queued: time them on the clock
             self.stats_.stage_seconds += self.clock() - t0
-        return ready
+        return None
+
+    def _dequantize(self, b: _Batch, g: _Stack) -> None:
+        """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the
+        dequant stream, after the copies land; one ready event for all of them."""
+        pool, k = g.pool, len(g.slots)
+        t0 = self.clock()
+        landed = self.streams.event()
+        landed.record(self.copy_stream)
+        rows = self.transit[id(pool)][g.row : g.row + k, : g.blob.nbytes]  # [k, bytes]
+        with self.streams.use(self.dequant_stream):
+            self.dequant_stream.wait_event(landed)
+            if k == 1:
+                g.blob.dequantize_views(self._views(g.blob, rows[0]), pool.tensors(g.slots[0]))
+            else:
+                scheme = quant.get_scheme(g.precision)
+                s0 = g.slots[0]
+                if g.slots == list(range(s0, s0 + k)):  # slots in a row: straight into that row of the slabs
+                    out = {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()}
+                    for name, q in self._views(g.blob, rows).items():
+                        scheme.dequantize(q, out=out[name])
+                else:  # through scratch, then scattered into the slots
+                    idx = self.upload_ints(g.slots, dtype=torch.int64)
+                    for name, q in self._views(g.blob, rows).items():
+                        tmp = torch.empty(q.shape, dtype=self.dtype, device=self.device)  # [k, *shape]
+                        scheme.dequantize(q, out=tmp)
+                        pool.slabs[name].index_copy_(0, idx, tmp)
+            ready = self.streams.event(timing=self.timing)
+            ready.record(self.dequant_stream)
+        pool.written(g.slots, self.dequant_stream, ready)
+        for r in range(g.row, g.row + k):
+            self.transit_done[(id(pool), r)] = ready
+        b.last = ready
+        if not self.timing:
+            self.stats_.stage_seconds += self.clock() - t0
+
+    def _close(self, b: _Batch) -> None:
+        """Issue a batch's pending dequantizations and ready events; mark its ring buffers busy."""
+        for g in list(b.groups.values()):
+            self._dequantize(b, g)
+        b.groups.clear()
+        if b.copied or b.rings:
+            end = self.streams.event(timing=self.timing)
+            end.record(self.copy_stream)  # after every copy of the batch
+            for pool, slots in b.copied.values():
+                pool.written(slots, self.copy_stream, end)
+            for ring in b.rings:
+                self.ring_busy[ring] = end  # the host must not refill these buffers before their copies ran
+            if b.last is None or b.copied:
+                b.last = end
+        if self.timing and b.start is not None:
+            self.stats_.timed("stage", b.start, b.last)  # the batch's span, copies and dequantizations
 
     def slot_map(self, layer: int, experts: list[int], slots: list[int]) -> torch.Tensor:
         """An int64 [num_experts + 1] map expert -> slot on the device (unlisted experts and the
@@ -397,11 +514,11 @@ class TierManager(Prefetcher):
         host[experts] = torch.tensor(slots, dtype=torch.int64)
         return self._upload(host, i)
 
-    def upload_ints(self, values: list[int]) -> torch.Tensor:
-        """``values`` as an int32 tensor on the device, through the pinned ring (no host sync)."""
+    def upload_ints(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """``values`` as an int32 (or int64) tensor on the device, through the pinned ring (no host sync)."""
         host, i = self._ring_buffer()
-        host = host.view(torch.int32)[: len(values)]
-        host.copy_(torch.tensor(values, dtype=torch.int32))
+        host = host.view(dtype)[: len(values)]
+        host.copy_(torch.tensor(values, dtype=dtype))
         return self._upload(host, i)
 
     def _ring_buffer(self) -> tuple[torch.Tensor, int]:
@@ -429,9 +546,9 @@ class TierManager(Prefetcher):
             assert_pinned(src, self.device)
 
     def _views(self, blob: Any, buf: torch.Tensor) -> dict:
-        """``blob.views(buf)``, made once per (blob layout, address): transit rows, ring buffers and
-        warm places are fixed buffers, and a view depends only on the layout and the address."""
-        key = (id(blob), buf.data_ptr(), buf.device)
+        """``blob.views(buf)``, made once per (blob layout, address, shape): transit rows, ring buffers
+        and warm places are fixed buffers, and a view depends only on those."""
+        key = (id(blob), buf.data_ptr(), buf.device, buf.shape)
         views = self._view_cache.get(key)
         if views is None:
             views = self._view_cache[key] = blob.views(buf)
@@ -504,12 +621,13 @@ class TierManager(Prefetcher):
         self._read_cold_ahead(layer, experts)
         held: list[Handle] = []
         try:
-            for e in experts:
-                h = self.try_acquire(ExpertKey(layer, e))
-                if h is None:
-                    self.release_all(held)
-                    return None
-                held.append(h)
+            with self.staging():
+                for e in experts:
+                    h = self.try_acquire(ExpertKey(layer, e))
+                    if h is None:
+                        self.release_all(held)
+                        return None
+                    held.append(h)
         except BaseException:  # a failed read (IntegrityError) must not leave slots held
             self.release_all(held)
             raise

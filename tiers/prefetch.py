@@ -26,22 +26,23 @@ class Prefetcher:
         lru = self.cache[id(pool)]
         free = self.unheld_staging(pool)
         issued = 0
-        for e in experts:
-            if issued >= free:
-                break
-            key = ExpertKey(layer, e)
-            r = self.table[key]
-            if r.slot is not None:
-                continue
-            if r.home is Home.NVME and self.reader_threads is not None:
-                if not self._read_ahead(key, pool, lru):
+        with self.staging():
+            for e in experts:
+                if issued >= free:
                     break
-            elif self._claim_and_stage(key, r, pool, lru) is None:
-                break
-            self.prefetched[key] = src_bytes = self.manifest.ref(key, self._precision_of(r)).nbytes
-            self.stats_.prefetch_issued += 1
-            self.stats_.prefetch_bytes += src_bytes
-            issued += 1
+                key = ExpertKey(layer, e)
+                r = self.table[key]
+                if r.slot is not None:
+                    continue
+                if r.home is Home.NVME and self.reader_threads is not None:
+                    if not self._read_ahead(key, pool, lru):
+                        break
+                elif self._claim_and_stage(key, r, pool, lru) is None:
+                    break
+                self.prefetched[key] = src_bytes = self.manifest.ref(key, self._precision_of(r)).nbytes
+                self.stats_.prefetch_issued += 1
+                self.stats_.prefetch_bytes += src_bytes
+                issued += 1
         return issued
 
     def _read_ahead(self, key: ExpertKey, pool: SlotPool, lru: LruSlots) -> bool:
@@ -85,8 +86,11 @@ class Prefetcher:
 
     def pump(self) -> None:
         """Queue the copies of every read-ahead that has landed; never blocks."""
-        for ring_key in [k for k, v in self.pending.items() if v[0].done()]:
-            self._complete(ring_key)
+        landed = [k for k, v in self.pending.items() if v[0].done()]
+        if landed:
+            with self.staging():
+                for ring_key in landed:
+                    self._complete(ring_key)
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
         self.predicted[layer] = set(experts)

@@ -332,7 +332,9 @@ class Rebalancer:
         mgr.table.apply(key, Op.PROMOTE, slot)
         gp = mgr.cfg.gpu.precision
         src = self.buffers[read.buffer][: mgr.manifest.ref(key, gp).nbytes]
-        self.buffer_busy[read.buffer] = mgr._stage(key, pool, slot, gp, "rebalance", src)
+        busy = mgr._stage(key, pool, slot, gp, "rebalance", src)
+        assert busy is not None, "swaps land between forwards, outside a staging batch"
+        self.buffer_busy[read.buffer] = busy
         if freed is not None:
             spares.append(freed)
         elif out_ok:  # the warm set grew by one: cool its least used expert to keep the cpu budget

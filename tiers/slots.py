@@ -56,20 +56,33 @@ class SlotPool:
     def tensors(self, slot: int) -> dict[str, torch.Tensor]:
         return self._rows[slot]
 
-    def begin_write(self, slot: int, key: ExpertKey, copy_stream: Any) -> None:
+    def begin_write(self, slot: int, key: ExpertKey, copy_stream: Any, waited: list | None = None) -> None:
+        """``key`` becomes the slot's owner; the copy stream is ordered after the slot's last read.
+        ``waited``: events the copy stream already waits on (a batch of writes shares one last-read
+        event per layer call), extended with the one waited here."""
         assert self.readers[slot] == 0, f"slot {slot} (owner {self.owner[slot]}) is rewritten while {self.readers[slot]} readers hold it"
-        if self.last_read[slot] is not None:
+        ev = self.last_read[slot]
+        if ev is not None and not (waited is not None and any(ev is w for w in waited)):
             # The compute stream may still be running kernels that read the old expert:
             # order the copy after them.
-            copy_stream.wait_event(self.last_read[slot])
+            copy_stream.wait_event(ev)
+            if waited is not None:
+                waited.append(ev)
         self.owner[slot] = key
 
     def end_write(self, slot: int, copy_stream: Any, event: Any | None = None) -> Any:
         ev = event if event is not None else self._event()
         ev.record(copy_stream)
-        self.ready[slot] = ev
-        self.ready_on[slot] = (copy_stream, next(_RECORDS))
+        self.written([slot], copy_stream, ev)
         return ev
+
+    def written(self, slots: list[int], stream: Any, event: Any) -> None:
+        """The writes of ``slots`` were queued on ``stream`` before ``event`` was recorded there:
+        it is their ready event (one event for a batch of writes)."""
+        order = next(_RECORDS)
+        for slot in slots:
+            self.ready[slot] = event
+            self.ready_on[slot] = (stream, order)
 
     def hold(self, slot: int) -> None:
         """A reader takes the slot: from now until ``end_read`` it cannot be rewritten."""

@@ -299,23 +299,24 @@ def build(manifest, staging: int, gpu_frac: float, cpu_frac: float) -> Harness:
     # Observe (never alter) the slot protocol: wrap the pool's methods and the manager's acquire/release.
     for pool in mgr.pools:
         pid = id(pool)
-        orig_begin, orig_end, orig_end_read = pool.begin_write, pool.end_write, pool.end_read
+        orig_begin, orig_written, orig_end_read = pool.begin_write, pool.written, pool.end_read
 
-        def begin_write(slot, key, copy_stream, _pid=pid, _orig=orig_begin):
+        def begin_write(slot, key, copy_stream, waited=None, _pid=pid, _orig=orig_begin):
             h.writes.append([_pid, slot, key, len(order), None, None])
-            return _orig(slot, key, copy_stream)
+            return _orig(slot, key, copy_stream, waited)
 
-        def end_write(slot, copy_stream, event=None, _pid=pid, _orig=orig_end):
-            ev = _orig(slot, copy_stream, event)
-            w = h.writes[-1]
-            assert (w[0], w[1]) == (_pid, slot) and w[5] is None, "end_write without its begin_write"
-            # the bytes land inside the first `use(copy_stream)` after begin_write
-            uses = [i for i in range(w[3], len(order)) if order[i][0] == "use" and order[i][1] is mgr.copy_stream]
-            assert uses, "the slot was written outside the copy stream"
-            w[4], w[5] = uses[0], ev
+        def written(slots, stream, ev, _pid=pid, _orig=orig_written):
+            _orig(slots, stream, ev)
             assert order[index_of_record(order, ev)][1] is mgr.copy_stream, "ready event recorded on the copy stream"
-            h.ready[(_pid, slot)] = ev
-            return ev
+            for slot in slots:
+                open_ = [w for w in h.writes if (w[0], w[1]) == (_pid, slot) and w[5] is None]
+                assert len(open_) == 1, "a ready event for a write never begun (or begun twice)"
+                w = open_[0]
+                # the bytes land inside the first `use(copy_stream)` after begin_write
+                uses = [i for i in range(w[3], len(order)) if order[i][0] == "use" and order[i][1] is mgr.copy_stream]
+                assert uses, "the slot was written outside the copy stream"
+                w[4], w[5] = uses[0], ev
+                h.ready[(_pid, slot)] = ev
 
         def end_read(slot, compute_stream, *, record=True, _pid=pid, _orig=orig_end_read, _pool=pool):
             n = len(order)
@@ -328,7 +329,7 @@ def build(manifest, staging: int, gpu_frac: float, cpu_frac: float) -> Harness:
             assert len(recs) == 1 and recs[0][1][1] is streams.compute, "last-read recorded once, on the compute stream"
             h.releases.setdefault((_pid, slot), []).append((recs[0][1][2], recs[0][0]))
 
-        pool.begin_write, pool.end_write, pool.end_read = begin_write, end_write, end_read
+        pool.begin_write, pool.written, pool.end_read = begin_write, written, end_read
 
     orig_acquire, orig_release = mgr.try_acquire, mgr.release
 

@@ -1,0 +1,184 @@
+"""Staging batches: a layer call's lossy copies are queued one by one and dequantized stacked.
+
+Checked here: the stacked dequantization is exact (each slot equals its blob dequantized alone),
+both of its paths run (slots in a row: straight into the slabs; scattered: through scratch and
+``index_copy_``), a batch issues one dequantization per stack and one ready event for it, a
+transit row is rewritten only after the copy stream waited for the last dequantization that read
+it, and a read that fails half-way through a batch leaves the writes queued before it valid.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+import torch
+
+import tiers
+from loader.layout import ExpertKey
+from test_engine import _recorded_manager
+from test_integrity import corrupt_expert
+from tiers.integration import manager_of
+from tiers.residency import Home
+
+# every expert that is not hot lives as INT8, warm or cold; 6 staging slots
+INT8 = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 6}, "cpu": {"fraction": 0.25, "precision": "int8"},
+                  "nvme": {"precision": "int8"}}}
+
+
+def expected(mgr, key: ExpertKey) -> dict[str, torch.Tensor]:
+    """``key``'s weights as its home tier's blob, read afresh from disk and dequantized alone."""
+    r = mgr.table[key]
+    precision = mgr._precision_of(r)
+    blob = mgr.manifest.blob(key, precision)
+    buf = torch.empty(mgr.manifest.ref(key, precision).nbytes, dtype=torch.uint8)
+    mgr.disk.read(key, precision, buf)
+    out = {n: torch.empty(s, dtype=torch.bfloat16, device=mgr.device) for n, s in blob.shapes}
+    blob.dequantize_into(buf.to(mgr.device), out)
+    return out
+
+
+def paths_taken(mgr) -> dict[str, int]:
+    """Count the stacked dequantizations by path: in a row, or scattered through scratch."""
+    taken = {"row": 0, "scatter": 0, "single": 0}
+    inner = mgr._dequantize
+
+    def spy(b, g):
+        s0 = g.slots[0]
+        kind = "single" if len(g.slots) == 1 else "row" if g.slots == list(range(s0, s0 + len(g.slots))) else "scatter"
+        taken[kind] += 1
+        return inner(b, g)
+
+    mgr._dequantize = spy
+    return taken
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+def test_stacked_dequantization_is_exact_on_both_paths(packed_factory, device, model):
+    mgr = manager_of(tiers.load(packed_factory(model), INT8, device=device, progress=False))
+    taken = paths_taken(mgr)
+    rng = random.Random(0)
+    layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
+    checked = 0
+    for _ in range(40):
+        layer = rng.choice(layers)
+        experts = sorted(rng.sample(range(8), rng.randint(2, 6)))
+        held = mgr.acquire_layer(layer, experts)
+        assert held is not None
+        mgr.wait_all(held)
+        for h in held:
+            if mgr.table[h.key].pinned:
+                continue
+            want = expected(mgr, h.key)
+            for name, t in h.tensors.items():
+                assert torch.equal(t, want[name]), f"{h.key} {name}: the slot differs from its blob dequantized alone"
+            checked += 1
+        mgr.release_all(held)
+    assert checked > 40
+    assert taken["row"] and taken["scatter"], f"both stacked paths must run: {taken}"
+    assert all(r == 0 for p in mgr.pools for r in p.readers)
+
+
+def _lossy_misses(mgr, layer: int) -> list[int]:
+    return [e for e in range(8) if mgr.table[ExpertKey(layer, e)].home is not Home.GPU]
+
+
+@pytest.mark.parametrize("limit", [1, 2, 6])
+def test_a_batch_dequantizes_once_per_stack_after_all_its_copies(packed_factory, limit):
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=6)
+    pool = mgr.pools[0]
+    mgr.stack_limit[id(pool)] = limit
+    layer = next(L for L in mgr.manifest.layers if len(_lossy_misses(mgr, L)) >= 4)
+    misses = _lossy_misses(mgr, layer)[:5]
+    start = len(rec.order)
+    held = mgr.acquire_layer(layer, misses)
+    order = rec.order[start:]
+    copies = [i for i, o in enumerate(order) if o[0] == "use" and o[1] is mgr.copy_stream]
+    dq_waits = [i for i, o in enumerate(order) if o[0] == "wait" and o[1] is mgr.dequant_stream]
+    readies = [o[2] for o in order if o[0] == "record" and o[1] is mgr.dequant_stream]
+    stacks = -(-len(misses) // limit)
+    assert len(copies) == len(misses), "one copy per miss, each queued as its miss is claimed"
+    assert len(dq_waits) == len(readies) == stacks
+    for n, w in enumerate(dq_waits):  # stack n dequantizes after the copies of its experts were queued
+        assert copies[min(len(misses), (n + 1) * limit) - 1] < w
+    assert [h.pool.ready[h.slot] for h in held] == [r for r in readies for _ in range(limit)][: len(misses)]
+    mgr.wait_all(held)
+    mgr.release_all(held)
+
+
+def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_factory):
+    """Random layer calls and prefetches over a ring of 3 transit rows with stacks of up to 2: each
+    copy into a row comes after a copy-stream wait on the ready event of the row's last reader."""
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=3)
+    pid = id(mgr.pools[0])
+    mgr.stack_limit[pid] = 2
+    writes: list[tuple[int, int]] = []  # (transit row, order index after the copy was queued)
+    readers: dict[int, list] = {}  # row -> ready events of the dequantizations that read it, in order
+    stage, dequantize = mgr._stage, mgr._dequantize
+
+    def spy_stage(key, pool, slot, precision, source, src):
+        row = mgr.next_row[pid]
+        out = stage(key, pool, slot, precision, source, src)
+        if not mgr.manifest.blob(key, precision).precision == "bf16":
+            writes.append((row, len(rec.order)))
+        return out
+
+    def spy_dequantize(b, g):
+        dequantize(b, g)
+        for r in range(g.row, g.row + len(g.slots)):
+            readers.setdefault(r, []).append((b.last, len(rec.order)))
+
+    mgr._stage, mgr._dequantize = spy_stage, spy_dequantize
+    rng = random.Random(1)
+    layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
+    for _ in range(60):
+        layer = rng.choice(layers)
+        experts = sorted(rng.sample(range(8), rng.randint(1, 3)))
+        need = sum(not mgr.table[ExpertKey(layer, e)].pinned for e in experts)
+        if need > 3:
+            continue
+        held = mgr.acquire_layer(layer, experts)
+        mgr.wait_all(held)
+        mgr.release_all(held)
+        if rng.random() < 0.5:
+            mgr.prefetch(rng.choice(layers), rng.sample(range(8), 3))
+    order = rec.order
+    where = {id(o[2]): i for i, o in enumerate(order) if o[0] == "record"}
+    rewrites = 0
+    for row, at in writes:
+        earlier = [ev for ev, t in readers.get(row, []) if t < at]
+        if not earlier:
+            continue
+        ev = earlier[-1]
+        rewrites += 1
+        assert any(o[0] == "wait" and o[1] is mgr.copy_stream and o[2] is ev for o in order[where[id(ev)] + 1 : at]), (
+            f"transit row {row} rewritten without the copy stream waiting on its last dequantization"
+        )
+    assert rewrites > 20
+
+
+def test_a_failed_read_inside_a_batch_leaves_the_queued_writes_valid(packed_factory, tmp_path):
+    root = tmp_path / "packed"
+    shutil.copytree(packed_factory("qwen3_moe"), root)
+    cfg = {"tiers": {**INT8["tiers"], "rebalance": {"every_tokens": 0}}}
+    mgr = manager_of(tiers.load(root, cfg, device="cpu", progress=False))
+    layer, warm, cold = next(
+        (L, w, c) for L in mgr.manifest.layers
+        for w in [[e for e in range(8) if mgr.table[ExpertKey(L, e)].home is Home.CPU]]
+        for c in [[e for e in range(8) if mgr.table[ExpertKey(L, e)].home is Home.NVME]]
+        if len(w) >= 2 and c
+    )
+    bad = ExpertKey(layer, cold[0])
+    corrupt_expert(root, bad, "int8")
+    with pytest.raises(tiers.IntegrityError):
+        mgr.acquire_layer(layer, sorted(warm[:2] + [bad.expert]))
+    assert all(r == 0 for p in mgr.pools for r in p.readers), "nothing stays held"
+    staged = [ExpertKey(layer, e) for e in warm[:2] if mgr.table[ExpertKey(layer, e)].slot is not None]
+    assert staged, "the warm misses before the bad read were staged"
+    held = mgr.acquire_layer(layer, [k.expert for k in staged])
+    assert mgr.stats().hits["gpu"] >= len(staged)
+    mgr.wait_all(held)
+    for h in held:
+        want = expected(mgr, h.key)
+        assert all(torch.equal(t, want[n]) for n, t in h.tensors.items())
+    mgr.release_all(held)
