@@ -49,7 +49,7 @@ def wrap_engine() -> None:
                 return fn(*a, **k)
         setattr(owner, attr, inner)
 
-    for attr in ("acquire_layer", "_stage", "_fetch", "slot_map", "wait", "release", "begin_call", "pump", "count_static"):
+    for attr in ("acquire_layer", "_stage", "_dequantize", "_close", "_fetch", "slot_map", "wait_all", "release_all", "begin_call", "pump", "count_static"):
         named(engine.TierManager, attr, f"tiers.{attr}")
     named(integration, "_route", "tiers._route")
     named(integration, "grouped_mm_experts_forward", "tiers.grouped_mm")
