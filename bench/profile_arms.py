@@ -76,6 +76,33 @@ def summarize(prof, wall_s: float) -> dict:
             "host_calls": {k: {"count": n, "ms": t / 1e3} for k, (n, t) in sorted(host.items())}}
 
 
+def python_profile(fn, device) -> list[str]:
+    """``fn`` once under cProfile: the top functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    with torch.no_grad():
+        fn()
+        sync(device)
+        pr = cProfile.Profile()
+        pr.enable()
+        fn()
+        sync(device)
+        pr.disable()
+    text = []
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(pr, stream=buf).sort_stats(key).print_stats(45)
+        text += [f"### by {key}", buf.getvalue()]
+    return text
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mixtral")
@@ -87,12 +114,13 @@ def main() -> int:
     ap.add_argument("--trace", default="", help="comma-separated arms whose decode chrome trace is written")
     ap.add_argument("--workdir")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
+    ap.add_argument("--cprofile", action="store_true", help="also cProfile one decode generate: Python time by function")
     args = ap.parse_args()
 
     import tiers
     from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, sync
+    from tools.measure import SHAPES, TINY, build, decode_ms_per_token
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
@@ -136,6 +164,9 @@ def main() -> int:
                 prof.export_chrome_trace(str(raw))
                 with open(raw, "rb") as f, gzip.open(out / f"trace-{args.model}-{name}.json.gz", "wb") as z:
                     shutil.copyfileobj(f, z)
+        if args.cprofile:
+            text += ["\n## decode under cProfile (Python functions; cProfile's own cost inflates small ones)\n"]
+            text += python_profile(lambda: m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw), device)
         (out / f"profile-{args.model}-{name}.txt").write_text("\n".join(text) + "\n")
         summary["arms"][name] = row
         print(name, json.dumps(row), flush=True)
