@@ -43,8 +43,9 @@ class OracleSlots(ForecastSlots):
         self.due[key] = self.next_use[self.at]
         self.at += 1
 
-    def _choose(self, free: list[int]) -> int:
-        return max(free, key=lambda s: -1 if self._owner[s] in self.in_call else self.due.get(self._owner[s], 0))
+    def _choose(self, readers) -> int | None:
+        free = [s for s in self._order if readers[s] == 0]
+        return max(free, key=lambda s: -1 if self._owner[s] in self.in_call else self.due.get(self._owner[s], 0), default=None)
 
 
 class RuleSlots(ForecastSlots):
@@ -54,7 +55,8 @@ class RuleSlots(ForecastSlots):
         super().__init__(slots, layers)
         self.rule = rule
 
-    def _choose(self, free: list[int]) -> int:
+    def _choose(self, readers) -> int | None:
+        free = [s for s in self._order if readers[s] == 0]
         n = max(len(self.position), 1)
 
         def score(s: int) -> float:  # larger: evicted first
@@ -68,7 +70,7 @@ class RuleSlots(ForecastSlots):
             d = n if here is None or there is None else ((there - here) % n or n)
             return -p / d
 
-        return max(free, key=score)
+        return max(free, key=score, default=None)
 
 
 def next_uses(seq: list) -> list[int]:

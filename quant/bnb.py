@@ -45,6 +45,9 @@ class Blockwise8:
         }
         return QuantizedTensor(self.name, tuple(weight.shape), data)
 
+    def prepare(self, q: QuantizedTensor) -> QuantizedTensor:
+        return q
+
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor:
         F = _functional()
         d = q.data

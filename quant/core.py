@@ -59,6 +59,11 @@ class Scheme(Protocol):
 
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor: ...
 
+    def prepare(self, q: QuantizedTensor) -> QuantizedTensor:
+        """``q`` in the form ``dequantize`` runs on with the fewest operations (views of the same
+        memory): a caller that dequantizes fixed buffers again and again prepares them once."""
+        ...
+
 
 _REGISTRY: dict[str, Scheme] = {}
 

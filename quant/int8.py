@@ -29,8 +29,18 @@ class Int8PerRow:
         qdata = w.div_(scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)  # [*rows, C]
         return QuantizedTensor(self.name, tuple(weight.shape), {"qdata": qdata.contiguous(), "scale": scale.contiguous()})
 
+    def prepare(self, q: QuantizedTensor) -> QuantizedTensor:
+        """The scale as ``[*rows, 1]``, broadcast as it is: one launch per dequantization."""
+        scale = q.data["scale"]
+        if scale.dim() == q.data["qdata"].dim():
+            return q
+        return QuantizedTensor(q.scheme, q.shape, {"qdata": q.data["qdata"], "scale": scale.unsqueeze(-1)})
+
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor:
-        return torch.mul(q.data["qdata"], q.data["scale"].unsqueeze(-1), out=out)  # [*rows, C]
+        qdata, scale = q.data["qdata"], q.data["scale"]
+        if scale.dim() < qdata.dim():  # not prepared
+            scale = scale.unsqueeze(-1)
+        return torch.mul(qdata, scale, out=out)  # [*rows, C]
 
 
 register(Int8PerRow())

@@ -18,6 +18,9 @@ class Bf16:
         data = weight.detach().to(torch.bfloat16).contiguous()  # [*shape]
         return QuantizedTensor(self.name, tuple(weight.shape), {"data": data})
 
+    def prepare(self, q: QuantizedTensor) -> QuantizedTensor:
+        return q
+
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(q.data["data"], non_blocking=True)
 

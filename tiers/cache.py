@@ -43,16 +43,19 @@ class LruSlots:
 
     def victim(self, readers: Sequence[int]) -> int | None:
         """An empty slot nobody holds if any, else the policy's choice among the occupied slots
-        nobody holds (``free``, in LRU order); None if all are held."""
-        free = [s for s in self._order if readers[s] == 0]
-        for s in free:
-            if s not in self._owner:
-                return s
-        return self._choose(free) if free else None
+        nobody holds; None if all are held. (Runs on every miss: one pass, none when all are full.)"""
+        if len(self._owner) < len(self._order):
+            for s in self._order:
+                if readers[s] == 0 and s not in self._owner:
+                    return s
+        return self._choose(readers)
 
-    def _choose(self, free: list[int]) -> int:
-        """LRU: the least recently used."""
-        return free[0]
+    def _choose(self, readers: Sequence[int]) -> int | None:
+        """LRU: the least recently used slot nobody holds."""
+        for s in self._order:
+            if readers[s] == 0:
+                return s
+        return None
 
 
 class LfuSlots(LruSlots):
@@ -78,9 +81,10 @@ class LfuSlots(LruSlots):
         self.now += 1
         self._score[key] = (self.score(key) + 1.0, self.now)
 
-    def _choose(self, free: list[int]) -> int:
-        # min by score; the LRU order of ``free`` breaks ties (min keeps the first minimum).
-        return min(free, key=lambda s: self.score(self._owner[s]))
+    def _choose(self, readers: Sequence[int]) -> int | None:
+        # min by score over the slots nobody holds; LRU order breaks ties (min keeps the first minimum).
+        free = [s for s in self._order if readers[s] == 0]
+        return min(free, key=lambda s: self.score(self._owner[s])) if free else None
 
 
 class ForecastSlots(LruSlots):
@@ -150,14 +154,16 @@ class ForecastSlots(LruSlots):
         p = max(*self._averages(key), 1e-6)
         return d + n * (1.0 / p - 1.0)
 
-    def _choose(self, free: list[int]) -> int:
-        # ``wait`` for each candidate, inlined: this runs on every miss, over every free slot.
+    def _choose(self, readers: Sequence[int]) -> int | None:
+        # ``wait`` for each slot nobody holds, inlined: this runs on every miss, over every slot.
         n = max(len(self.position), 1)
         here = self.position.get(self.current)
         fast, slow, calls, avg, position, in_call = 1.0 - self.fast, 1.0 - self.slow, self.calls, self._avg, self.position, self.in_call
         waits = self._waits
         best, best_wait = None, None
-        for s in free:  # in LRU order: the first of equal waits wins, as with max()
+        for s in self._order:  # in LRU order: the first of equal waits wins, as with max()
+            if readers[s]:
+                continue
             key = self._owner[s]
             if key in in_call:
                 w = -1.0

@@ -10,9 +10,9 @@ staging path between them, plus the stream and event discipline:
   a dequant stream turns into the slot's weights while the copy stream moves on to the next
   blob; the ready event is recorded after the last of these;
 - the misses of one layer call form a staging batch (``staging``): each copy is queued as soon
-  as its miss is claimed, but small lossy experts are dequantized a stack at a time (one launch
-  per tensor for up to ``STACK_EXPERTS``), and the slots of a stack share one ready event, so the
-  host's work per miss is one copy and its bookkeeping;
+  as its miss is claimed, but small lossy experts are dequantized a stack at a time (up to
+  ``STACK_EXPERTS`` after one wait, sharing one ready event; one launch per tensor when their
+  slots are in a row), so the host's work per miss is little more than its copy and bookkeeping;
 - the compute stream waits on the ready event only right before the expert's first kernel;
 - after the expert's kernels are queued the slot's last-read event is recorded on the compute
   stream, and the slot may be reused only after that.
@@ -22,7 +22,6 @@ stubs), through an injectable ``Streams`` object, so CPU tests exercise the same
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections import deque
@@ -52,23 +51,55 @@ from tiers.stats import StatsCollector, TierStats
 
 
 class Streams:
-    """Streams and events of one device; tests pass a recording fake with the same methods."""
+    """Streams and events of one device; tests pass a recording fake with the same methods.
+
+    On CUDA, ``current`` and ``use`` run on every staged expert, so they skip what
+    ``torch.cuda.current_stream`` and ``torch.cuda.stream`` do on each call (resolve the device,
+    build a new ``Stream`` object inside a device guard): the current stream is looked up by id
+    among the streams seen before, and ``use`` sets and restores it with ``torch.cuda.set_stream``."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.module = torch.get_device_module(device)
+        self.cuda = device.type == "cuda"
+        self.index = device.index if device.index is not None else (torch.cuda.current_device() if self.cuda else 0)
+        self._seen: dict[int, Any] = {}  # stream id -> its Stream object
 
     def new_stream(self) -> Any:
-        return self.module.Stream(device=self.device) if self.device.type == "cuda" else self.module.Stream()
+        return self.module.Stream(device=self.device) if self.cuda else self.module.Stream()
 
     def current(self) -> Any:
-        return self.module.current_stream(self.device) if self.device.type == "cuda" else self.module.current_stream()
+        if not self.cuda:
+            return self.module.current_stream()
+        sid = torch._C._cuda_getCurrentStream(self.index)[0]
+        stream = self._seen.get(sid)
+        if stream is None:
+            stream = self._seen[sid] = self.module.current_stream(self.device)
+        return stream
 
     def event(self, timing: bool = False) -> Any:
-        return self.module.Event(enable_timing=timing) if self.device.type == "cuda" else self.module.Event()
+        return self.module.Event(enable_timing=timing) if self.cuda else self.module.Event()
 
     def use(self, stream: Any):
-        return self.module.stream(stream)
+        if self.cuda and torch.cuda.current_device() == self.index:
+            return _Use(self, stream)
+        return self.module.stream(stream)  # the CPU, or another device current: the general context
+
+
+class _Use:
+    """``with streams.use(s)``: ``s`` is the current stream inside, the previous one after."""
+
+    __slots__ = ("streams", "stream", "prev")
+
+    def __init__(self, streams: Streams, stream: Any):
+        self.streams, self.stream = streams, stream
+
+    def __enter__(self) -> None:
+        self.prev = self.streams.current()
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.prev)
 
 
 @dataclass(frozen=True)
@@ -112,11 +143,13 @@ class TierManager(Prefetcher):
     MAPS = 16  # pinned index buffers in the ring (slot maps, host-routed decode indices)
     LOAD_THREADS = 8  # reader threads at load time (pread and the first read's CRC32 release the GIL)
     HOST_ROUTED_ROWS = 64  # a layer call with at most this many (token, pick) rows brings its picks to the host
-    # A stack of lossy copies dequantized together: at most this many experts, and this many
-    # compute-dtype bytes of one tensor. A stack is dequantized only once its last copy has landed,
-    # so a small one keeps the copy engine's lead: the stacks before the last overlap later copies.
+    # A stack: lossy copies of small experts (transfer form at most STACK_BYTES) whose
+    # dequantizations wait on one landed event and share one ready event, at most STACK_EXPERTS of
+    # them. A stack is dequantized once its last copy has landed, so a short one keeps the copy
+    # engine ahead: the stacks before the last overlap later copies. Larger experts stack alone,
+    # their dequantization overlapping the next copy (their copies outlast the host's work).
     STACK_EXPERTS = 4
-    DEQUANT_SCRATCH = 64 << 20
+    STACK_BYTES = 32 << 20
     def __init__(
         self,
         manifest: Manifest,
@@ -142,6 +175,8 @@ class TierManager(Prefetcher):
         self.next_row: dict[int, int] = {}  # per pool: the transit row the next lossy copy goes to (a ring)
         self.stack_limit: dict[int, int] = {}  # per pool: experts one stacked dequantization may take
         self._batch: _Batch | None = None  # the open staging batch
+        self._warm_views: dict[tuple[int, int], torch.Tensor] = {}  # (host offset, bytes) -> that view of the pool
+        self._transit_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (pool id, row, bytes) -> that row's first bytes
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device) -> field views
         self.stats_ = StatsCollector()
         # generate's decode stage (see integration.load): True while it runs, when this device
@@ -180,8 +215,9 @@ class TierManager(Prefetcher):
             self.hot_count[id(pool)] = g.hot
             self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
             self.next_row[id(pool)] = 0
-            largest = max(math.prod(t.shape) for t in layout.tensors) * self.dtype.itemsize
-            self.stack_limit[id(pool)] = min(g.staging, self.STACK_EXPERTS, self.DEQUANT_SCRATCH // largest)
+            lossy_bytes = max((manifest.layers[L].blobs[p].nbytes for L in g.layers for p in (cfg.cpu.precision, cfg.nvme.precision)
+                               if not quant.get_scheme(p).lossless and p in manifest.layers[L].blobs), default=0)
+            self.stack_limit[id(pool)] = min(g.staging, self.STACK_EXPERTS) if lossy_bytes <= self.STACK_BYTES else 1
             for L in g.layers:
                 self.pool_of[L] = pool
             self.keys_of[id(pool)] = [k for k in manifest.keys if k.layer in g.layers]
@@ -198,14 +234,18 @@ class TierManager(Prefetcher):
         promote_bytes = Rebalancer.buffer_bytes(manifest, cfg, placement) if rebalancing else 0
         # int64 entries per ring buffer: a slot map [E+1], or a host-routed call's int32 indices
         # (4 per row, plus an offset per slot of its pool)
-        map_len = max(max(e.layout.num_experts for e in manifest.layers.values()) + 1, max(self.stack_limit.values(), default=0),
+        map_len = max(max(e.layout.num_experts for e in manifest.layers.values()) + 1,
                       (4 * self.HOST_ROUTED_ROWS + max(g.n_slots for g in placement.groups) + 1) // 2 + 1)
         self.host = HostPool(warm_bytes + ring_total + promote_bytes + self.MAPS * align(map_len * 8, BLOB_ALIGN), pin=device.type == "cuda")
         self.warm_bytes = warm_bytes
         # Pinned expert -> slot maps for the grouped forward, used round robin: a non_blocking copy
         # from pageable memory would make the host wait for the compute stream to drain first.
         self.maps = [self.host.view(self.host.alloc(map_len * 8), map_len * 8).view(torch.int64) for _ in range(self.MAPS)]
+        # ... as int32 too, and numpy views of both: filling one from a list is one call
+        self._maps_of = {torch.int64: self.maps, torch.int32: [m.view(torch.int32) for m in self.maps]}
+        self._arrays_of = {dt: [m.numpy() for m in ms] for dt, ms in self._maps_of.items()}
         self.map_copied: list[Any | None] = [None] * self.MAPS
+        self._map_events = [self.streams.event() for _ in range(self.MAPS)]  # re-recorded: each is synced before reuse
         self.next_map = 0
         self.ring: dict[tuple[int, int], torch.Tensor] = {}
         self.ring_busy: dict[tuple[int, int], Any] = {}
@@ -379,7 +419,11 @@ class TierManager(Prefetcher):
         precision = self._precision_of(r)
         nbytes = self.manifest.ref(key, precision).nbytes
         if r.home is Home.CPU:
-            return precision, "cpu", self.host.view(r.host_offset, nbytes)
+            place = (r.host_offset, nbytes)
+            view = self._warm_views.get(place)
+            if view is None:
+                view = self._warm_views[place] = self.host.view(r.host_offset, nbytes)
+            return precision, "cpu", view
         src = self._ring(pool, slot, nbytes)
         self.disk.read(key, precision, src)
         return precision, "nvme", src
@@ -387,8 +431,8 @@ class TierManager(Prefetcher):
     @contextmanager
     def staging(self) -> Iterator[None]:
         """Batch the writes staged inside: each copy is queued at once, but the lossy ones'
-        dequantizations run stacked (``DEQUANT_SCRATCH`` bytes at a time) and the slots share ready
-        events, issued when the batch closes. Readers wait on a slot only after the batch closed.
+        dequantizations run a stack at a time (``STACK_EXPERTS``) and the slots of a stack share
+        one ready event, issued when the stack is full or the batch closes. Readers wait on a slot only after the batch closed.
         Nested uses join the outer batch."""
         if self._batch is not None:
             yield
@@ -436,13 +480,13 @@ class TierManager(Prefetcher):
                 if done is not None and not any(done is w for w in b.waited):
                     self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
                     b.waited.append(done)
-                self.transit[id(pool)][row, : src.numel()].copy_(src, non_blocking=True)
+                self._transit_row(id(pool), row, src.numel()).copy_(src, non_blocking=True)
         if not scheme.lossless:
             g = b.groups.get(id(pool))
             if g is None:
                 g = b.groups[id(pool)] = _Stack(pool, blob, precision, row, [])
             g.slots.append(slot)
-            if self.stack_limit[id(pool)] < 2 or not scheme.stacks:
+            if self.stack_limit[id(pool)] < 2:
                 # experts too large to stack: this one's dequantization overlaps the next one's copy
                 self._dequantize(b, b.groups.pop(id(pool)))
         if source == "nvme":
@@ -459,24 +503,21 @@ class TierManager(Prefetcher):
         t0 = self.clock()
         landed = self.streams.event()
         landed.record(self.copy_stream)
-        rows = self.transit[id(pool)][g.row : g.row + k, : g.blob.nbytes]  # [k, bytes]
+        scheme = quant.get_scheme(g.precision)
+        s0 = g.slots[0]
         with self.streams.use(self.dequant_stream):
             self.dequant_stream.wait_event(landed)
-            if k == 1:
-                g.blob.dequantize_views(self._views(g.blob, rows[0]), pool.tensors(g.slots[0]))
+            if k > 1 and scheme.stacks and g.slots == list(range(s0, s0 + k)):
+                # slots in a row: one launch per tensor, from the stacked transit rows into that row of the slabs
+                rows = self.transit[id(pool)][g.row : g.row + k, : g.blob.nbytes]  # [k, bytes]
+                out = {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()}
+                for name, q in self._views(g.blob, rows).items():
+                    scheme.dequantize(q, out=out[name])
             else:
-                scheme = quant.get_scheme(g.precision)
-                s0 = g.slots[0]
-                if g.slots == list(range(s0, s0 + k)):  # slots in a row: straight into that row of the slabs
-                    out = {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()}
-                    for name, q in self._views(g.blob, rows).items():
+                for i, slot in enumerate(g.slots):
+                    out = pool.tensors(slot)
+                    for name, q in self._views(g.blob, self._transit_row(id(pool), g.row + i, g.blob.nbytes)).items():
                         scheme.dequantize(q, out=out[name])
-                else:  # through scratch, then scattered into the slots
-                    idx = self.upload_ints(g.slots, dtype=torch.int64)
-                    for name, q in self._views(g.blob, rows).items():
-                        tmp = torch.empty(q.shape, dtype=self.dtype, device=self.device)  # [k, *shape]
-                        scheme.dequantize(q, out=tmp)
-                        pool.slabs[name].index_copy_(0, idx, tmp)
             ready = self.streams.event(timing=self.timing)
             ready.record(self.dequant_stream)
         pool.written(g.slots, self.dequant_stream, ready)
@@ -485,6 +526,13 @@ class TierManager(Prefetcher):
         b.last = ready
         if not self.timing:
             self.stats_.stage_seconds += self.clock() - t0
+
+    def _transit_row(self, pid: int, row: int, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of a transit row (a view made once)."""
+        view = self._transit_views.get((pid, row, nbytes))
+        if view is None:
+            view = self._transit_views[(pid, row, nbytes)] = self.transit[pid][row, :nbytes]
+        return view
 
     def _close(self, b: _Batch) -> None:
         """Issue a batch's pending dequantizations and ready events; mark its ring buffers busy."""
@@ -508,26 +556,26 @@ class TierManager(Prefetcher):
         sentinel id ``num_experts`` -> ``n_slots``), copied without a host sync."""
         pool = self.pool_of[layer]
         n = self.manifest.layers[layer].layout.num_experts
-        host, i = self._ring_buffer()
-        host = host[: n + 1]
-        host.fill_(pool.n_slots)
-        host[experts] = torch.tensor(slots, dtype=torch.int64)
-        return self._upload(host, i)
+        i = self._ring_buffer()
+        arr = self._arrays_of[torch.int64][i]
+        arr[: n + 1] = pool.n_slots
+        arr[experts] = slots
+        return self._upload(self.maps[i][: n + 1], i)
 
     def upload_ints(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as an int32 (or int64) tensor on the device, through the pinned ring (no host sync)."""
-        host, i = self._ring_buffer()
-        host = host.view(dtype)[: len(values)]
-        host.copy_(torch.tensor(values, dtype=dtype))
-        return self._upload(host, i)
+        i = self._ring_buffer()
+        n = len(values)
+        self._arrays_of[dtype][i][:n] = values
+        return self._upload(self._maps_of[dtype][i][:n], i)
 
-    def _ring_buffer(self) -> tuple[torch.Tensor, int]:
+    def _ring_buffer(self) -> int:
         """The next pinned buffer of the ring, once the copy that last read it has run."""
         i = self.next_map
         self.next_map = (i + 1) % self.MAPS
         if self.map_copied[i] is not None:
             self.map_copied[i].synchronize()  # the copy that last read this buffer (16 calls ago: long done)
-        return self.maps[i], i
+        return i
 
     def _upload(self, host: torch.Tensor, i: int) -> torch.Tensor:
         if self.device.type != "cuda":
@@ -535,7 +583,7 @@ class TierManager(Prefetcher):
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         self._check_pinned(host)
         dev.copy_(host, non_blocking=True)
-        done = self.streams.event()
+        done = self._map_events[i]
         done.record(self.streams.current())
         self.map_copied[i] = done
         return dev
@@ -551,7 +599,8 @@ class TierManager(Prefetcher):
         key = (id(blob), buf.data_ptr(), buf.device, buf.shape)
         views = self._view_cache.get(key)
         if views is None:
-            views = self._view_cache[key] = blob.views(buf)
+            scheme = quant.get_scheme(blob.precision)
+            views = self._view_cache[key] = {n: scheme.prepare(q) for n, q in blob.views(buf).items()}
         return views
 
     def wait(self, h: Handle) -> None:

@@ -118,6 +118,31 @@ def test_dequantize_writes_into_out(name, device):
         assert quant.sqnr_db(w, out.cpu()) > 30
 
 
+@pytest.mark.parametrize("name", LIGHT)
+def test_prepared_and_stacked_dequantize_match_one_at_a_time(name, device):
+    """``prepare`` gives views of the same memory that dequantize exactly as before; schemes that
+    stack dequantize k experts stacked exactly as each alone."""
+    s = quant.get_scheme(name)
+    qs = [s.quantize(gaussian((32, 48), seed=20 + i)) for i in range(3)]
+    alone = []
+    for q in qs:
+        q = QuantizedTensor(q.scheme, q.shape, {k: v.to(device) for k, v in q.data.items()})
+        out = torch.empty((32, 48), dtype=torch.bfloat16, device=device)
+        s.dequantize(q, out=out)
+        p = s.prepare(q)
+        assert {k: v.data_ptr() for k, v in p.data.items()} == {k: v.data_ptr() for k, v in q.data.items()}
+        again = torch.empty_like(out)
+        s.dequantize(p, out=again)
+        assert torch.equal(again, out)
+        alone.append(out)
+    assert s.stacks
+    stacked = QuantizedTensor(name, (3, 32, 48), {k: torch.stack([q.data[k] for q in qs]).to(device) for k in qs[0].data})
+    for q in (stacked, s.prepare(stacked)):
+        out = torch.empty((3, 32, 48), dtype=torch.bfloat16, device=device)
+        s.dequantize(q, out=out)
+        assert all(torch.equal(out[i], alone[i]) for i in range(3))
+
+
 # -- fields(shape) -----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", LIGHT)
 @pytest.mark.parametrize("shape", [(96, 64), (64, 48), (2, 3, 5), (1, 1)])

@@ -1,8 +1,8 @@
 """Staging batches: a layer call's lossy copies are queued one by one and dequantized stacked.
 
 Checked here: the stacked dequantization is exact (each slot equals its blob dequantized alone),
-both of its paths run (slots in a row: straight into the slabs; scattered: through scratch and
-``index_copy_``), a batch issues one dequantization per stack and one ready event for it, a
+both of its paths run (slots in a row: one launch per tensor over the stacked transit rows;
+scattered: one expert at a time), a batch waits once per stack and issues one ready event for it, a
 transit row is rewritten only after the copy stream waited for the last dequantization that read
 it, and a read that fails half-way through a batch leaves the writes queued before it valid.
 """
@@ -39,7 +39,7 @@ def expected(mgr, key: ExpertKey) -> dict[str, torch.Tensor]:
 
 
 def paths_taken(mgr) -> dict[str, int]:
-    """Count the stacked dequantizations by path: in a row, or scattered through scratch."""
+    """Count the stacked dequantizations by path: slots in a row, or scattered."""
     taken = {"row": 0, "scatter": 0, "single": 0}
     inner = mgr._dequantize
 
