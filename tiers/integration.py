@@ -10,8 +10,9 @@ patched):
   untiered model running the eager implementation;
 - "tiers_grouped" (``compute: grouped``, the default): a layer whose experts are all hot runs
   transformers' own grouped_mm forward (batched_mm in generate's decode stage on a GPU, as
-  transformers switches for an untiered model) on views of its slots; any other layer sorts its
-  (token, pick) rows by slot and runs grouped GEMMs over windows of the slab around the used
+  transformers switches for an untiered model) on views of its slots; in that decode stage any
+  other layer runs the same batched_mm with each pick's slot as its expert id; otherwise it sorts
+  its (token, pick) rows by slot and runs grouped GEMMs over windows of the slab around the used
   slots, summed per token as transformers sums them. Bit-identical to untiered grouped_mm when
   a layer call's experts fit the staging slots; when they do not, parts over their own rows
   summed in fp32 (bit-identical per layer on the CPU, within one bf16 ulp on CUDA).
@@ -212,6 +213,8 @@ def tiers_grouped_experts_forward(
     try:
         proxy = _proxy(self, pool.slabs, pool.n_slots)
         if picks is not None:
+            if mgr.decoding:  # generate's decode stage on a GPU: what the untiered model runs, over slots
+                return _batched_host_routed(proxy, mgr, held, hidden_states, top_k_weights, picks, top_k_index.shape[-1])
             return _grouped_host_routed(proxy, mgr, held, hidden_states, top_k_weights, picks, top_k_index.shape[-1])
         return _grouped_device_routed(proxy, mgr, binding.layer, held, hidden_states, top_k_index, top_k_weights, counts)
     finally:
@@ -284,6 +287,16 @@ def _grouped_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidd
     y = _run_windows(proxy, hidden_states[tok], windows, offsets, slot_ids)  # [n, H]
     y = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)  # [n, H]
     return y[inverse].view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # [T, H], summed as transformers does
+
+
+def _batched_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidden_states: torch.Tensor,
+                         top_k_weights: torch.Tensor, picks: list[int], k: int) -> torch.Tensor:
+    """transformers' batched_mm forward (its decode kernels on a GPU) with each pick's slot as its
+    expert id: one upload of the ids, then exactly the untiered model's decode operations."""
+    slot_of = {h.key.expert: h.slot for h in held}
+    ids = mgr.upload_ints([slot_of[e] for e in picks], dtype=torch.int64).view(-1, k)  # [T, k] slots
+    mgr.wait_all(held)
+    return batched_mm_experts_forward(proxy, hidden_states, ids, top_k_weights)
 
 
 def _sorted_by_slot(mgr: TierManager, layer: int, held: list, expert_ids: torch.Tensor, counts: list[int]):

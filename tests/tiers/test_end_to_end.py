@@ -144,6 +144,41 @@ def test_all_hot_layers_follow_transformers_decode_switch(model_type, device, ch
             assert sqnr >= 40.0, f"decode step {step}: logits SQNR {sqnr:.1f} dB"
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_tiered_layers_follow_transformers_decode_switch(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
+    """In generate's decode stage (on a GPU; forced here on the CPU) layers with staged experts run
+    transformers' batched_mm too, with each pick's slot as its expert id: on CUDA the logits are
+    bit-identical to the untiered model's, whose decode runs batched_mm; on the CPU the untiered
+    model keeps grouped_mm, so they are close."""
+    import tiers.integration as integ
+
+    calls = []
+    batched = integ.batched_mm_experts_forward
+    monkeypatch.setattr(integ, "batched_mm_experts_forward", lambda *a: calls.append(a[2].shape) or batched(*a))
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory(model_type), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model = tiers.load(packed_factory(model_type), BF16_GROUPED, device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.batched_decode = True
+    layers = len(mgr.manifest.layers)
+    assert len(mgr.static_maps) < layers, "some layer must stage experts"
+    ids = prompt(device)
+    a = ref.generate(ids, **GEN)
+    mgr.reset_stats()
+    b = model.generate(ids, **GEN)
+    assert len(calls) == layers * (GEN["max_new_tokens"] - 1), len(calls)
+    s = mgr.stats()
+    assert s.hits["cpu"] + s.hits["nvme"] > 0, "decode must stage experts"
+    assert torch.equal(a.sequences, b.sequences)
+    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
+        if device.type == "cuda":
+            assert torch.equal(la, lb), f"decode step {step} differs"
+        else:
+            sqnr = 10 * torch.log10(la.float().pow(2).sum() / (la.float() - lb.float()).pow(2).sum().clamp_min(1e-30)).item()
+            assert sqnr >= 40.0, f"decode step {step}: logits SQNR {sqnr:.1f} dB"
+    assert all(r == 0 for p in mgr.pools for r in p.readers)
+
+
 def test_decode_switch_stays_off_on_the_cpu_by_default(checkpoint_factory, packed_factory, monkeypatch):
     import tiers.integration as integ
 
