@@ -150,6 +150,11 @@ class TierManager(Prefetcher):
     # their dequantization overlapping the next copy (their copies outlast the host's work).
     STACK_EXPERTS = 4
     STACK_BYTES = 32 << 20
+    # A layer call's cold misses are read together on the reader threads when their blobs are at
+    # most this large. On the H200's disk (tools/coldread.py in bench/results/*-run6.md), 4.5 MiB
+    # blobs read at 1.57 GB/s four at a time against 1.22 one at a time, while 168 MiB blobs, read
+    # in 8 MiB requests either way, read at 1.70 one at a time and 1.48 together.
+    PARALLEL_READ_BYTES = 32 << 20
     def __init__(
         self,
         manifest: Manifest,
@@ -689,13 +694,13 @@ class TierManager(Prefetcher):
     def _read_cold_ahead(self, layer: int, experts: list[int]) -> None:
         """Start the disk reads of a call's cold misses together, when there are two or more and
         the unheld staging slots hold every expert of the call that is not hot (so a read-ahead
-        never takes a slot the call itself needs). One blob at a time on the compute thread
-        leaves the disk idle between reads: small blobs read faster several at once."""
+        never takes a slot the call itself needs), and their blobs are small (``PARALLEL_READ_BYTES``).
+        One blob at a time on the compute thread leaves the disk idle between small reads."""
         if self.reader_threads is None:
             return
         rows = [self.table[ExpertKey(layer, e)] for e in experts]
         cold = [e for e, r in zip(experts, rows) if r.slot is None and r.home is Home.NVME]
-        if len(cold) < 2:
+        if len(cold) < 2 or self.manifest.layers[layer].blobs[self.cfg.nvme.precision].nbytes > self.PARALLEL_READ_BYTES:
             return
         pool = self.pool_of[layer]
         if sum(not r.pinned for r in rows) > self.unheld_staging(pool):

@@ -363,6 +363,27 @@ def test_cold_misses_of_one_call_are_read_in_parallel_and_served_exact(packed_co
     assert all(r == 0 for p in mgr.pools for r in p.readers) and not mgr.demand_reads
 
 
+def test_cold_misses_of_large_blobs_are_read_one_at_a_time(packed_copy, monkeypatch):
+    """Blobs above ``PARALLEL_READ_BYTES`` (read in large requests anyway) are not read ahead together."""
+    from tiers.engine import TierManager
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
+                     "nvme": {"precision": "bf16", "reader_threads": 4}}}
+    pl = placement(packed_copy, cfg)
+    mgr = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
+    layer, experts = _cold_call(mgr, pl)
+    assert len(experts) >= 2
+    monkeypatch.setattr(TierManager, "PARALLEL_READ_BYTES", mgr.manifest.layers[layer].blobs["bf16"].nbytes - 1)
+    mgr.begin_call(layer, experts, 1)
+    held = mgr.acquire_layer(layer, experts)
+    mgr.wait_all(held)
+    assert mgr.stats_.async_reads == 0 and not mgr.pending, "large blobs were read ahead"
+    for h in held:
+        want = decoded(packed_copy, h.key, "bf16")
+        assert all(torch.equal(t, want[n]) for n, t in h.tensors.items())
+    mgr.release_all(held)
+
+
 def test_a_corrupt_blob_among_parallel_cold_reads_raises_and_holds_nothing(packed_copy):
     cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
                      "nvme": {"precision": "bf16", "reader_threads": 4}}}

@@ -53,6 +53,7 @@ def test_measure_counts_every_blob_once_per_pass(packed, precision):
     assert_rate(r["diskstore_parallel"], nbytes)  # several blobs at once, as a call's cold misses are read
     assert r["diskstore_parallel"]["workers"] == 2
     assert r["ratio_parallel"] == pytest.approx(r["diskstore_parallel"]["gbps"] / best)
+    assert (r["engine_path"], r["ratio_engine"]) == ("diskstore_parallel", r["ratio_parallel"])  # tiny blobs: read together
     assert r["page_cache_dropped"] is hasattr(os, "posix_fadvise")
     json.dumps(r)  # JSON-able as it stands
 
@@ -93,6 +94,7 @@ def test_limit_bytes_picks_whole_blobs_in_file_order(packed):
     assert r["blobs"] == 3 and r["o_direct_single"]["bytes"] == 3 * stride
     assert r["o_direct_threads"] is None  # one thread: the single stream is the only O_DIRECT pass
     assert r["diskstore_parallel"] is None and r["ratio_parallel"] is None
+    assert (r["engine_path"], r["ratio_engine"]) == ("diskstore", r["ratio"])
 
 
 def test_dropped_cache_is_really_empty(packed):
