@@ -437,8 +437,8 @@ class TierManager(Prefetcher):
     def staging(self) -> Iterator[None]:
         """Batch the writes staged inside: each copy is queued at once, but the lossy ones'
         dequantizations run a stack at a time (``STACK_EXPERTS``) and the slots of a stack share
-        one ready event, issued when the stack is full or the batch closes. Readers wait on a slot only after the batch closed.
-        Nested uses join the outer batch."""
+        one ready event, issued when the stack is full or the batch closes. Readers wait on a
+        slot only after the batch closed. Nested uses join the outer batch."""
         if self._batch is not None:
             yield
             return
@@ -551,7 +551,7 @@ class TierManager(Prefetcher):
                 pool.written(slots, self.copy_stream, end)
             for ring in b.rings:
                 self.ring_busy[ring] = end  # the host must not refill these buffers before their copies ran
-            if b.last is None or b.copied:
+            if b.last is None:  # else the span ends at the last dequantization
                 b.last = end
         if self.timing and b.start is not None:
             self.stats_.timed("stage", b.start, b.last)  # the batch's span, copies and dequantizations
