@@ -40,7 +40,7 @@ from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
 from tiers.disk_store import DiskStore
-from tiers.host_pool import HostPool, RawCopy, assert_pinned
+from tiers.host_pool import HostPool, assert_pinned
 from tiers.cache import LruSlots, make_cache
 from tiers.policy import Placement
 from tiers.prefetch import Prefetcher
@@ -183,9 +183,6 @@ class TierManager(Prefetcher):
         self._warm_views: dict[tuple[int, int], torch.Tensor] = {}  # (host offset, bytes) -> that view of the pool
         self._transit_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (pool id, row, bytes) -> that row's first bytes
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device) -> field views
-        self._raw_fields: dict[int, list[tuple[str, int, int]]] = {}  # lossless blob layout -> its fields' bytes
-        # copies up without ATen's copy_ where the CUDA runtime can be called directly (else None)
-        self.raw = RawCopy.load(device) if streams is None else None
         self.stats_ = StatsCollector()
         # generate's decode stage (see integration.load): True while it runs, when this device
         # follows transformers' switch from grouped_mm to batched_mm for decode (not on the CPU)
@@ -475,31 +472,20 @@ class TierManager(Prefetcher):
             if g is not None and (g.precision != precision or row != g.row + len(g.slots) or len(g.slots) >= self.stack_limit[id(pool)]):
                 self._dequantize(b, b.groups.pop(id(pool)))  # the open stack cannot grow: dequantize it now
             self.next_row[id(pool)] = (row + 1) % (pool.n_slots - self.hot_count[id(pool)])
-        if self.timing and b.start is None:
-            b.start = self.streams.event(timing=True)
-            b.start.record(self.copy_stream)
-        self._check_pinned(src)
-        raw = self.raw if self.raw is not None and torch.cuda.current_device() == self.streams.index else None
-        if scheme.lossless:  # the H2D copies land straight in the slot
-            if raw is not None:
-                out, base = pool.tensors(slot), src.data_ptr()
-                for name, offset, nbytes in self._fields_of(blob):
-                    raw(out[name].data_ptr(), base + offset, nbytes, self.copy_stream)
+        with self.streams.use(self.copy_stream):
+            if self.timing and b.start is None:
+                b.start = self.streams.event(timing=True)
+                b.start.record(self.copy_stream)
+            self._check_pinned(src)
+            if scheme.lossless:
+                blob.dequantize_views(self._views(blob, src), pool.tensors(slot))  # the H2D copies land straight in the slot
+                b.copied.setdefault(id(pool), (pool, []))[1].append(slot)
             else:
-                with self.streams.use(self.copy_stream):
-                    blob.dequantize_views(self._views(blob, src), pool.tensors(slot))
-            b.copied.setdefault(id(pool), (pool, []))[1].append(slot)
-        else:
-            done = self.transit_done.get((id(pool), row))
-            if done is not None and not any(done is w for w in b.waited):
-                self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
-                b.waited.append(done)
-            dst = self._transit_row(id(pool), row, src.numel())
-            if raw is not None:
-                raw(dst.data_ptr(), src.data_ptr(), src.numel(), self.copy_stream)
-            else:
-                with self.streams.use(self.copy_stream):
-                    dst.copy_(src, non_blocking=True)
+                done = self.transit_done.get((id(pool), row))
+                if done is not None and not any(done is w for w in b.waited):
+                    self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
+                    b.waited.append(done)
+                self._transit_row(id(pool), row, src.numel()).copy_(src, non_blocking=True)
         if not scheme.lossless:
             g = b.groups.get(id(pool))
             if g is None:
@@ -545,14 +531,6 @@ class TierManager(Prefetcher):
         b.last = ready
         if not self.timing:
             self.stats_.stage_seconds += self.clock() - t0
-
-    def _fields_of(self, blob: Any) -> list[tuple[str, int, int]]:
-        """A lossless blob's fields as (tensor, byte offset, bytes): each is its slot tensor's bytes."""
-        fields = self._raw_fields.get(id(blob))
-        if fields is None:
-            assert all(len([f for f in blob.fields if f.tensor == n]) == 1 for n, _ in blob.shapes), "one field per tensor"
-            fields = self._raw_fields[id(blob)] = [(f.tensor, f.offset, f.spec.nbytes) for f in blob.fields]
-        return fields
 
     def _transit_row(self, pid: int, row: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a transit row (a view made once)."""

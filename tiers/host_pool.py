@@ -9,11 +9,8 @@ collected; without CUDA pinning is skipped in ``pin_host`` and nowhere else.
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
-import sys
 import weakref
-from typing import Any
 
 import torch
 
@@ -69,53 +66,3 @@ class HostPool:
         if self._unpin is not None:
             self._unpin()
             self.pinned = False
-
-
-class RawCopy:
-    """Host-to-device copies queued with ``cudaMemcpyAsync`` of the CUDA runtime torch has loaded,
-    on an explicit stream. On a slow host ATen's ``copy_`` (dispatch, checks, the caching host
-    allocator's bookkeeping, and the stream switch around it) costs more host time than queuing
-    a small expert's copy should; this costs one foreign call. For sources in a registered slab
-    only (the caller keeps them alive until the copy has run). ``load`` verifies one copy and
-    returns None wherever it cannot be used (no CUDA, not Linux, a runtime not found)."""
-
-    HOST_TO_DEVICE = 1  # cudaMemcpyHostToDevice
-
-    def __init__(self, fn: Any):
-        self._fn = fn
-
-    @classmethod
-    def load(cls, device: torch.device) -> RawCopy | None:
-        if device.type != "cuda" or not torch.cuda.is_available() or not sys.platform.startswith("linux"):
-            return None
-        torch.cuda.init()
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)
-        if path is None:  # a runtime linked statically into torch: nothing to call
-            return None
-        try:
-            fn = ctypes.CDLL(path).cudaMemcpyAsync
-        except (OSError, AttributeError):
-            return None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        raw = cls(fn)
-        return raw if raw._works(device) else None
-
-    def __call__(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        """Queue ``nbytes`` from host address ``src`` to device address ``dst`` on ``stream``."""
-        rc = self._fn(dst, src, nbytes, self.HOST_TO_DEVICE, stream.cuda_stream)
-        if rc != 0:
-            raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed with CUDA error {rc}")
-
-    def _works(self, device: torch.device) -> bool:
-        with torch.cuda.device(device):
-            src = torch.arange(1 << 12, dtype=torch.int32).pin_memory()
-            dst = torch.zeros(1 << 12, dtype=torch.int32, device=device)
-            stream = torch.cuda.Stream(device)
-            try:
-                self(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), stream)
-            except RuntimeError:
-                return False
-            stream.synchronize()
-            return torch.equal(dst.cpu(), src)

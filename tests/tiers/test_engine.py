@@ -251,28 +251,3 @@ def test_streams_current_and_use_follow_the_device_module(device):
             ev.record(a)
         ev.synchronize()
         assert float(y[0]) == 2.0 and a.query()
-
-
-def test_raw_copies_are_exact_on_cuda_and_absent_elsewhere(device):
-    """``RawCopy`` queues cudaMemcpyAsync on a given stream: exact bytes, ordered on that stream
-    (a later kernel on the same stream sees them); ``load`` gives None without CUDA."""
-    from tiers.host_pool import HostPool, RawCopy
-
-    raw = RawCopy.load(device)
-    if device.type != "cuda":
-        assert raw is None
-        return
-    assert raw is not None, "the CUDA runtime torch loaded was not found"
-    pool = HostPool(1 << 22, pin=True)
-    src = pool.view(4096, 3 << 20)
-    src.copy_(torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
-    dst = torch.zeros(3 << 20, dtype=torch.uint8, device=device)
-    stream = torch.cuda.Stream(device)
-    raw(dst.data_ptr(), src.data_ptr(), src.numel(), stream)
-    with torch.cuda.stream(stream):
-        total = dst.sum(dtype=torch.int64)  # queued after the copy on the same stream
-    stream.synchronize()
-    assert torch.equal(dst.cpu(), src) and int(total) == int(src.sum(dtype=torch.int64))
-    with pytest.raises(RuntimeError, match="cudaMemcpyAsync"):
-        raw(0, src.data_ptr(), src.numel(), stream)  # a null destination: the runtime's error is raised
-    pool.close()

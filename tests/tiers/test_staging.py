@@ -56,7 +56,6 @@ def paths_taken(mgr) -> dict[str, int]:
 @pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
 def test_stacked_dequantization_is_exact_on_both_paths(packed_factory, device, model):
     mgr = manager_of(tiers.load(packed_factory(model), INT8, device=device, progress=False))
-    assert (mgr.raw is not None) == (device.type == "cuda"), "on CUDA the copies up go through cudaMemcpyAsync"
     taken = paths_taken(mgr)
     rng = random.Random(0)
     layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
