@@ -181,16 +181,12 @@ def run(args) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     # A fresh all-GPU model with the same weights stays beside the Tiers arms: each one is paired
-    # with an all-GPU measurement of the same routing taken just before it (a machine whose speed
-    # drifts during a run moves both), and the all-GPU arms are measured on it again at the end.
+    # with an all-GPU measurement of the same routing, its repetitions interleaved with the arm's
+    # (a host whose speed drifts within seconds moves both), and the all-GPU arms are measured on
+    # it again at the end.
     tiers_arms = [a for a in arms if a.startswith("tiers_")]
     again = [name for name in ("all_gpu", "all_gpu@skewed") if name in arms]
     paired = build(args.model, shape, device) if tiers_arms or again else None
-
-    def paired_ms(name):
-        with routed(paired, name):
-            paired.generate(prompt, max_new_tokens=args.warmup_tokens, min_new_tokens=args.warmup_tokens, do_sample=False, pad_token_id=0)
-            return decode_ms_per_token(paired, prompt, args.tokens, device, reps)
 
     def tiers_arm(cfg, name):
         # the arm's own GPU memory: the paired all-GPU model stays allocated beside it
@@ -199,17 +195,22 @@ def run(args) -> dict:
         m = tiers.load(packed, cfg, device=device, progress=False)
         load_s = time.perf_counter() - t0
         with routed(m, name):
-            return tiers_measure(m, load_s, resident)
+            return tiers_measure(m, load_s, resident, name)
 
-    def tiers_measure(m, load_s, resident):
+    def tiers_measure(m, load_s, resident, name):
         mgr = manager_of(m)
         kw = dict(do_sample=False, pad_token_id=0)
         gen = lambda n: m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
+        pgen = lambda n: paired.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
         gen(args.warmup_tokens)  # warm-up: kernels, caches, and (skewed arms) the rebalancer's first rounds
         gen(1)
+        with routed(paired, name):
+            pgen(args.warmup_tokens)
         # Decode as in decode_ms_per_token, (generate 1 + T) - (generate 1), and the bytes moved the
-        # same way, so the prompt's prefill cancels out of both the time and the bound.
+        # same way, so the prompt's prefill cancels out of both the time and the bound. Each
+        # repetition times the arm and then the paired all-GPU model.
         runs: dict[int, list] = {1: [], args.tokens + 1: []}
+        paired_runs: dict[int, list] = {1: [], args.tokens + 1: []}
         for _ in range(reps):
             for n in runs:
                 sync(device)
@@ -220,8 +221,16 @@ def run(args) -> dict:
                 elapsed = time.perf_counter() - t0
                 st = mgr.stats()
                 runs[n].append((elapsed, dict(st.bytes_moved) | {"_stall": st.stall_seconds}))
+            with routed(paired, name):
+                for n in paired_runs:
+                    sync(device)
+                    t0 = time.perf_counter()
+                    pgen(n)
+                    sync(device)
+                    paired_runs[n].append(time.perf_counter() - t0)
         one, full = runs[1], runs[args.tokens + 1]
         decode_ms = (statistics.median(t for t, _ in full) - statistics.median(t for t, _ in one)) / args.tokens * 1e3
+        paired_decode_ms = (statistics.median(paired_runs[args.tokens + 1]) - statistics.median(paired_runs[1])) / args.tokens * 1e3
         sources = {k for _, b in one + full for k in b}
         per_token = {k: max(0.0, (statistics.mean(b.get(k, 0) for _, b in full) - statistics.mean(b.get(k, 0) for _, b in one)) / args.tokens)
                      for k in sources}
@@ -267,7 +276,7 @@ def run(args) -> dict:
         extra["prefill_bytes_moved"] = sum(mgr.stats().bytes_moved.values()) / (prefill_reps + 1)  # timed() warms up once
         if device.type == "cuda":
             extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device) - resident
-        row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, **extra}
+        row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, "paired_all_gpu_ms_per_token": paired_decode_ms, **extra}
         mgr.close()
         return row
 
@@ -287,12 +296,10 @@ def run(args) -> dict:
                          # learn, and those arms keep the YAML default (off)
                          "rebalance": {"every_tokens": args.rebalance_every if name.endswith("@skewed") else 0}}}
         try:
-            before = paired_ms(name)
             row = tiers_arm(cfg, name)
         except Exception as e:
             failed(name, e)
             continue
-        row["paired_all_gpu_ms_per_token"] = before
         row["config"] = cfg
         result["arms"][name] = row
         bar.set_postfix_str(f"{name}: {row['decode_ms_per_token']:.1f} ms/token")

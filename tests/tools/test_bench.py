@@ -24,7 +24,7 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert moved > 0 and t["gpu_hit_rate"] < 1.0
     assert t["bound_ms_per_token"] == pytest.approx(base + moved / bench.H2D_BYTES_PER_S * 1e3)
     assert r["arms"]["tiers_100_bf16"]["gpu_hit_rate"] == 1.0
-    for name in ("tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"):  # each paired with an all-GPU measurement just before it
+    for name in ("tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"):  # each paired with an all-GPU measurement, interleaved
         a = r["arms"][name]
         assert a["paired_all_gpu_ms_per_token"] > 0
         assert a["over_paired_all_gpu"] == pytest.approx(a["decode_ms_per_token"] / a["paired_all_gpu_ms_per_token"])
@@ -108,3 +108,30 @@ def test_cache_bound_orders_the_policies():
     r = row["over_belady"]
     assert r["forecast"] <= r["oracle"] <= 1.0
     assert 0 < row["belady_hit_rate"] <= 1 and row["capacity"] == 16
+
+
+def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path, monkeypatch):
+    """Each repetition times the Tiers arm, then the paired all-GPU model: a host whose speed drifts
+    within seconds moves both, where one block after the other would not."""
+    from transformers import GenerationMixin
+
+    from tiers.integration import _MANAGER_ATTR
+
+    calls = []
+    generate = GenerationMixin.generate
+
+    def spy(self, *a, **k):
+        calls.append(("tiers" if hasattr(self, _MANAGER_ATTR) else "gpu", k.get("max_new_tokens")))
+        return generate(self, *a, **k)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    tokens = 2
+    rc = bench.main(["--tiny", "--tokens", str(tokens), "--prefill", "16", "--reps", "2", "--device", "cpu", "--warmup-tokens", "5",
+                     "--arms", "tiers_25_int8", "--out", str(tmp_path)])
+    assert rc == 0
+    timed = [c for c in calls if c[1] in (1, tokens + 1)]
+    rep = [("tiers", 1), ("tiers", tokens + 1), ("gpu", 1), ("gpu", tokens + 1)]
+    start = next(i for i in range(len(timed)) if timed[i : i + 4] == rep)
+    assert timed[start : start + 8] == rep * 2, timed
+    a = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
+    assert a["paired_all_gpu_ms_per_token"] > 0
