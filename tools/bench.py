@@ -16,7 +16,7 @@ layers, by default), saves and packs it, then measures each arm in one run:
   rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off.
 
 Per arm: decode ms/token and tok/s at batch 1 (Tiers arms also against an all-GPU measurement of
-the same routing taken just before them), prefill time, bytes moved per token per source
+the same routing, its repetitions interleaved with theirs), prefill time, bytes moved per token per source
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 ``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
@@ -379,7 +379,7 @@ def add_bounds(result: dict) -> dict:
             row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
             row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
             pair = row.get("paired_all_gpu_ms_per_token")
-            if pair is not None:  # against the all-GPU measurement taken just before the arm
+            if pair is not None:  # against the all-GPU measurement interleaved with the arm's
                 row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
                 row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
             if baseline_.get("prefill_s") is not None:
