@@ -182,7 +182,7 @@ class TierManager(Prefetcher):
         self._batch: _Batch | None = None  # the open staging batch
         self._warm_views: dict[tuple[int, int], torch.Tensor] = {}  # (host offset, bytes) -> that view of the pool
         self._transit_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (pool id, row, bytes) -> that row's first bytes
-        self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device) -> field views
+        self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device, shape) -> prepared field views
         self.stats_ = StatsCollector()
         # generate's decode stage (see integration.load): True while it runs, when this device
         # follows transformers' switch from grouped_mm to batched_mm for decode (not on the CPU)

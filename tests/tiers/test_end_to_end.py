@@ -112,6 +112,18 @@ def test_grouped_tiers_with_more_experts_than_staging_slots(device, checkpoint_f
     assert all(r == 0 for p in manager_of(model).pools for r in p.readers)
 
 
+def assert_decode_logits(a, b, device) -> None:
+    """Decode logits of the untiered model (``a``) and Tiers (``b``) under transformers' decode
+    switch: bit-identical on CUDA, where both run batched_mm; on the CPU, where only Tiers was
+    switched by hand, within 40 dB SQNR at every step."""
+    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
+        if device.type == "cuda":
+            assert torch.equal(la, lb), f"decode step {step} differs"
+        else:
+            sqnr = 10 * torch.log10(la.float().pow(2).sum() / (la.float() - lb.float()).pow(2).sum().clamp_min(1e-30)).item()
+            assert sqnr >= 40.0, f"decode step {step}: logits SQNR {sqnr:.1f} dB"
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_all_hot_layers_follow_transformers_decode_switch(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
     """generate's decode stage runs transformers' grouped_mm experts as batched_mm on a GPU (not on
@@ -136,12 +148,7 @@ def test_all_hot_layers_follow_transformers_decode_switch(model_type, device, ch
     assert calls == {"grouped": layers, "batched": layers * (GEN["max_new_tokens"] - 1)}, calls
     assert not mgr.decoding, "the decode flag must be cleared when generate returns"
     assert torch.equal(a.sequences, b.sequences)
-    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
-        if device.type == "cuda":
-            assert torch.equal(la, lb), f"decode step {step} differs"
-        else:
-            sqnr = 10 * torch.log10(la.float().pow(2).sum() / (la.float() - lb.float()).pow(2).sum().clamp_min(1e-30)).item()
-            assert sqnr >= 40.0, f"decode step {step}: logits SQNR {sqnr:.1f} dB"
+    assert_decode_logits(a, b, device)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -170,12 +177,7 @@ def test_tiered_layers_follow_transformers_decode_switch(model_type, device, che
     s = mgr.stats()
     assert s.hits["cpu"] + s.hits["nvme"] > 0, "decode must stage experts"
     assert torch.equal(a.sequences, b.sequences)
-    for step, (la, lb) in enumerate(zip(a.logits, b.logits)):
-        if device.type == "cuda":
-            assert torch.equal(la, lb), f"decode step {step} differs"
-        else:
-            sqnr = 10 * torch.log10(la.float().pow(2).sum() / (la.float() - lb.float()).pow(2).sum().clamp_min(1e-30)).item()
-            assert sqnr >= 40.0, f"decode step {step}: logits SQNR {sqnr:.1f} dB"
+    assert_decode_logits(a, b, device)
     assert all(r == 0 for p in mgr.pools for r in p.readers)
 
 

@@ -49,16 +49,24 @@ def corrupt_expert(root: Path, key: ExpertKey, precision: str, where: float = 0.
     return root / ref.file
 
 
-def decoded(root: Path, key: ExpertKey, precision: str) -> dict[str, torch.Tensor]:
-    """What a correct read of ``key`` must give: the blob in the file, decoded."""
+def decoded(root: Path, key: ExpertKey, precision: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """What a correct read of ``key`` must give: the blob in the file, decoded alone on ``device``."""
     m = read_manifest(root)
     ref = m.ref(key, precision)
     with open(root / ref.file, "rb") as f:
         f.seek(ref.offset)
-        blob = torch.frombuffer(bytearray(f.read(ref.nbytes)), dtype=torch.uint8)
-    out = {t.name: torch.empty(t.shape, dtype=torch.bfloat16) for t in m.layers[key.layer].layout.tensors}
+        blob = torch.frombuffer(bytearray(f.read(ref.nbytes)), dtype=torch.uint8).to(device)
+    out = {t.name: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for t in m.layers[key.layer].layout.tensors}
     m.blob(key, precision).dequantize_into(blob, out)
     return out
+
+
+def assert_served_exact(handles, root: Path, precision: str = "bf16") -> None:
+    """Each held expert's slot holds exactly its blob in the file, decoded alone."""
+    for h in handles:
+        want = decoded(root, h.key, precision, next(iter(h.tensors.values())).device)
+        for name, t in h.tensors.items():
+            assert torch.equal(t, want[name]), (h.key, name)
 
 
 def assert_names(err: pytest.ExceptionInfo, path: Path, key: ExpertKey | None = None) -> None:
@@ -77,9 +85,7 @@ def test_clean_copy_loads_and_serves_exact_weights(packed_copy):
     for key in (pl.hot[0], pl.warm[0], pl.cold[0]):
         h = mgr.try_acquire(key)
         mgr.wait(h)
-        want = decoded(packed_copy, key, "bf16")
-        for name, t in h.tensors.items():
-            assert torch.equal(t, want[name]), (key, name)
+        assert_served_exact([h], packed_copy)
         mgr.release(h)
 
 
@@ -152,9 +158,7 @@ def test_other_experts_still_served_after_an_integrity_error(packed_copy):
         mgr.try_acquire(bad)
     h = mgr.try_acquire(good)
     mgr.wait(h)
-    want = decoded(packed_copy, good, "bf16")
-    for name, t in h.tensors.items():
-        assert torch.equal(t, want[name]), name
+    assert_served_exact([h], packed_copy)
     mgr.release(h)
 
 
@@ -321,16 +325,23 @@ def _cold_call(mgr, pl, n: int = 3):
     return layer, sorted(experts)[: min(n, staging)]
 
 
+READ_AHEAD = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
+                         "nvme": {"precision": "bf16", "reader_threads": 4}}}
+
+
+def _cold_call_manager(root: Path):
+    """A CPU manager with reader threads for cold experts, and a layer call of two or more of them."""
+    mgr = manager_of(tiers.load(root, READ_AHEAD, device="cpu", progress=False))
+    layer, experts = _cold_call(mgr, placement(root, READ_AHEAD))
+    assert len(experts) >= 2
+    return mgr, layer, experts
+
+
 def test_cold_misses_of_one_call_are_read_in_parallel_and_served_exact(packed_copy, monkeypatch):
     import threading
     import time
 
-    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
-                     "nvme": {"precision": "bf16", "reader_threads": 4}}}
-    pl = placement(packed_copy, cfg)
-    mgr = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
-    layer, experts = _cold_call(mgr, pl)
-    assert len(experts) >= 2
+    mgr, layer, experts = _cold_call_manager(packed_copy)
     active, peak, lock = [0], [0], threading.Lock()
     read = mgr.disk.read
 
@@ -351,10 +362,7 @@ def test_cold_misses_of_one_call_are_read_in_parallel_and_served_exact(packed_co
     held = mgr.acquire_layer(layer, experts)
     mgr.wait_all(held)
     assert peak[0] >= 2, "the call's cold reads ran one at a time"
-    for h in held:
-        want = decoded(packed_copy, h.key, "bf16")
-        for name, t in h.tensors.items():
-            assert torch.equal(t, want[name]), (h.key, name)
+    assert_served_exact(held, packed_copy)
     mgr.release_all(held)
     after = mgr.stats()
     assert after.hits["nvme"] - before.hits["nvme"] == len(experts), "read-ahead demand misses count as nvme hits"
@@ -367,32 +375,21 @@ def test_cold_misses_of_large_blobs_are_read_one_at_a_time(packed_copy, monkeypa
     """Blobs above ``PARALLEL_READ_BYTES`` (read in large requests anyway) are not read ahead together."""
     from tiers.engine import TierManager
 
-    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
-                     "nvme": {"precision": "bf16", "reader_threads": 4}}}
-    pl = placement(packed_copy, cfg)
-    mgr = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
-    layer, experts = _cold_call(mgr, pl)
-    assert len(experts) >= 2
+    mgr, layer, experts = _cold_call_manager(packed_copy)
     monkeypatch.setattr(TierManager, "PARALLEL_READ_BYTES", mgr.manifest.layers[layer].blobs["bf16"].nbytes - 1)
     mgr.begin_call(layer, experts, 1)
     held = mgr.acquire_layer(layer, experts)
     mgr.wait_all(held)
     assert mgr.stats_.async_reads == 0 and not mgr.pending, "large blobs were read ahead"
-    for h in held:
-        want = decoded(packed_copy, h.key, "bf16")
-        assert all(torch.equal(t, want[n]) for n, t in h.tensors.items())
+    assert_served_exact(held, packed_copy)
     mgr.release_all(held)
 
 
 def test_a_corrupt_blob_among_parallel_cold_reads_raises_and_holds_nothing(packed_copy):
-    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
-                     "nvme": {"precision": "bf16", "reader_threads": 4}}}
-    pl = placement(packed_copy, cfg)
-    probe = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
-    layer, experts = _cold_call(probe, pl)
+    probe, layer, experts = _cold_call_manager(packed_copy)
     bad = ExpertKey(layer, experts[1])
     path = corrupt_expert(packed_copy, bad, "bf16")
-    mgr = manager_of(tiers.load(packed_copy, cfg, device="cpu", progress=False))
+    mgr = manager_of(tiers.load(packed_copy, READ_AHEAD, device="cpu", progress=False))
     with pytest.raises(tiers.IntegrityError) as ei:
         mgr.acquire_layer(layer, experts)
     assert_names(ei, path, bad)
@@ -402,7 +399,5 @@ def test_a_corrupt_blob_among_parallel_cold_reads_raises_and_holds_nothing(packe
     good = [e for e in experts if e != bad.expert]
     held = mgr.acquire_layer(layer, good)  # the rest are still served, exact
     mgr.wait_all(held)
-    for h in held:
-        want = decoded(packed_copy, h.key, "bf16")
-        assert all(torch.equal(t, want[n]) for n, t in h.tensors.items())
+    assert_served_exact(held, packed_copy)
     mgr.release_all(held)

@@ -17,7 +17,7 @@ import torch
 import tiers
 from loader.layout import ExpertKey
 from test_engine import _recorded_manager
-from test_integrity import corrupt_expert
+from test_integrity import corrupt_expert, decoded
 from tiers.integration import manager_of
 from tiers.residency import Home
 
@@ -27,15 +27,8 @@ INT8 = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 6}, "cpu": {"fractio
 
 
 def expected(mgr, key: ExpertKey) -> dict[str, torch.Tensor]:
-    """``key``'s weights as its home tier's blob, read afresh from disk and dequantized alone."""
-    r = mgr.table[key]
-    precision = mgr._precision_of(r)
-    blob = mgr.manifest.blob(key, precision)
-    buf = torch.empty(mgr.manifest.ref(key, precision).nbytes, dtype=torch.uint8)
-    mgr.disk.read(key, precision, buf)
-    out = {n: torch.empty(s, dtype=torch.bfloat16, device=mgr.device) for n, s in blob.shapes}
-    blob.dequantize_into(buf.to(mgr.device), out)
-    return out
+    """``key``'s weights as its home tier's blob in the file, dequantized alone on the manager's device."""
+    return decoded(mgr.manifest.root, key, mgr._precision_of(mgr.table[key]), mgr.device)
 
 
 def paths_taken(mgr) -> dict[str, int]:
