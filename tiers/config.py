@@ -49,6 +49,9 @@ class GpuTier:
 class CpuTier:
     size: TierSize = TierSize(fraction=0.5)
     precision: str = "int8"
+    # generate's decode steps read warm experts straight from this pool on the GPU (CUDA with
+    # Triton; see tiers.direct); false: every step stages its misses through the copy stream
+    direct_reads: bool = True
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def parse_config(doc: Any) -> TiersConfig:
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
     g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"})
-    c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision"})
+    c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads"})
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
@@ -153,7 +156,10 @@ def parse_config(doc: Any) -> TiersConfig:
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))
-    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision))
+    direct_reads = c.get("direct_reads", d.cpu.direct_reads)
+    if not isinstance(direct_reads, bool):
+        raise ValueError(f"tiers.cpu.direct_reads: expected true or false, got {direct_reads!r}")
+    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision), direct_reads)
     readers = n.get("reader_threads", d.nvme.reader_threads)
     if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers <= 64:
         raise ValueError(f"tiers.nvme.reader_threads: expected an integer in [0, 64], got {readers!r}")

@@ -39,6 +39,7 @@ from loader.blob import BLOB_ALIGN, align
 from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
+from tiers.direct import DirectDecoder
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
 from tiers.cache import LruSlots, make_cache
@@ -139,7 +140,7 @@ class _Batch:
     last: Any = None  # the latest ready event issued
 
 
-class TierManager(Prefetcher):
+class TierManager(Prefetcher, DirectDecoder):
     MAPS = 16  # pinned index buffers in the ring (slot maps, host-routed decode indices)
     LOAD_THREADS = 8  # reader threads at load time (pread and the first read's CRC32 release the GIL)
     HOST_ROUTED_ROWS = 64  # a layer call with at most this many (token, pick) rows brings its picks to the host
@@ -294,6 +295,7 @@ class TierManager(Prefetcher):
         self.rebalancer = (
             Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
         )
+        self._init_direct(cfg.cpu.direct_reads)
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
@@ -748,10 +750,12 @@ class TierManager(Prefetcher):
         self.stats_.reset()
         self._static_hits.zero_()
         self._static_host_hits = 0
+        self.reset_direct()
 
     def stats(self) -> TierStats:
         self.stats_.resolve()
         static = int(self._static_hits.item()) + self._static_host_hits
+        direct_gpu, direct_cpu, direct_bytes = self.direct_served()
         m, cfg = self.manifest, self.cfg
         residency = {h.value: {"experts": 0, "bytes": 0} for h in Home}
         for k, r in self.table.items():  # where each expert lives now (the rebalancer moves them)
@@ -772,9 +776,9 @@ class TierManager(Prefetcher):
         }
         return TierStats(
             residency=residency,
-            hits=self.stats_.hits | {"gpu": self.stats_.hits["gpu"] + static},
-            misses=dict(self.stats_.misses),
-            bytes_moved=dict(self.stats_.bytes_moved),
+            hits=self.stats_.hits | {"gpu": self.stats_.hits["gpu"] + static + direct_gpu, "cpu": self.stats_.hits["cpu"] + direct_cpu},
+            misses=self.stats_.misses | {"gpu": self.stats_.misses["gpu"] + direct_cpu},
+            bytes_moved=self.stats_.bytes_moved | {"cpu": self.stats_.bytes_moved.get("cpu", 0) + direct_bytes},
             stage_seconds=self.stats_.stage_seconds,
             stall_seconds=self.stats_.stall_seconds,
             gpu_slots={"hot": hot, "staging": staging, "cached": cached},

@@ -199,6 +199,11 @@ def tiers_grouped_experts_forward(
             return forward(_proxy(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
         pool = mgr.pool_of[binding.layer]
         return forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
+    if mgr.decoding and mgr.direct_ready(binding.layer, top_k_index.numel()):
+        # a decode step whose misses the GPU reads from pinned memory itself: no sync, no staging
+        pool = mgr.pool_of[binding.layer]
+        ids = mgr.fetch_direct(binding.layer, top_k_index)  # [T, k] slots
+        return batched_mm_experts_forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, ids, top_k_weights)
     with torch.no_grad():
         hit, counts, picks = _route(self, binding, hidden_states, top_k_index)
     mgr.begin_call(binding.layer, hit, hidden_states.shape[0])
@@ -494,10 +499,14 @@ def _follow_decode_switch(model: PreTrainedModel, manager: TierManager) -> None:
     def optimize_for_decode():
         before = manager.decoding
         manager.decoding = manager.batched_decode
+        if manager.decoding and not before:
+            manager.begin_decode()
         try:
             with enter():
                 yield
         finally:
+            if manager.decoding and not before:
+                manager.end_decode()
             manager.decoding = before
 
     model._optimize_model_for_decode = optimize_for_decode

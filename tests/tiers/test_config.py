@@ -165,7 +165,7 @@ _ALLOWED = {
     "config": {"tiers"},
     "tiers": {"gpu", "cpu", "nvme", "rebalance"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"},
-    "tiers.cpu": {"fraction", "budget", "precision"},
+    "tiers.cpu": {"fraction", "budget", "precision", "direct_reads"},
     "tiers.nvme": {"precision", "reader_threads"},
     "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin"},
 }

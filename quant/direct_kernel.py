@@ -1,0 +1,67 @@
+"""The Triton kernel behind ``quant.direct.fetch`` (imported only where Triton is present).
+
+Grid: (picks, blocks): program (j, b) decodes block ``b`` of pick ``j``'s expert, the blocks of
+the expert's tensors one after another; programs of resident picks only look the pick up.
+Program (j, 0) also writes ``ids[j]`` and counts the pick. Measured on an H200 (PCIe 5 x16),
+reading INT8 experts of Qwen3-30B-A3B shapes this way moves 47 GB/s for 4 experts and 50 GB/s
+for 32 against 55 GB/s for one large copy-engine copy (``bench/zero_copy_probe.py``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 8192  # elements per program
+WARPS = 8
+
+
+@triton.jit
+def _block(src, data, scale, out, b, n, cols, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    i = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    if QUANT:
+        q = tl.load((src + data).to(tl.pointer_type(tl.int8)) + i, mask=m, other=0)
+        s = tl.load((src + scale).to(tl.pointer_type(tl.float32)) + i // cols, mask=m, other=0.0)
+        v = (q.to(tl.float32) * s).to(tl.bfloat16)
+    else:
+        v = tl.load((src + data).to(tl.pointer_type(tl.bfloat16)) + i, mask=m, other=0.0)
+    tl.store(out + i, v, mask=m)
+
+
+@triton.jit
+def _fetch(src, starts, resident, picks, dst, ids, counts,
+           out0, d0, s0, n0, c0, nb0,
+           out1, d1, s1, n1, c1, nb1,
+           out2, d2, s2, n2, c2,
+           QUANT: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    b = tl.program_id(1)
+    e = tl.load(picks + j)
+    r = tl.load(resident + e)
+    slot = tl.where(r >= 0, r, tl.load(dst + j)).to(tl.int64)
+    if b == 0:
+        tl.store(ids + j, slot)
+        tl.atomic_add(counts + (r < 0).to(tl.int32), 1)
+    if r < 0:
+        base = src + tl.load(starts + e)
+        if b < nb0:
+            _block(base, d0, s0, out0 + slot * n0, b, n0, c0, QUANT, BLOCK)
+        elif b < nb0 + nb1:
+            _block(base, d1, s1, out1 + slot * n1, b - nb0, n1, c1, QUANT, BLOCK)
+        else:
+            _block(base, d2, s2, out2 + slot * n2, b - nb0 - nb1, n2, c2, QUANT, BLOCK)
+
+
+def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
+           ids: torch.Tensor, counts: torch.Tensor, tensors) -> None:
+    quant = tensors[0].scale is not None
+    args, blocks = [], 0
+    for i in range(3):
+        t = tensors[min(i, len(tensors) - 1)]
+        n = t.out[0].numel()
+        nb = triton.cdiv(n, BLOCK) if i < len(tensors) else 0
+        blocks += nb
+        args += [t.out, t.data, t.scale or 0, n, t.out.shape[-1]] + ([nb] if i < 2 else [])
+    m = picks.numel()
+    _fetch[(m, blocks)](src, starts, resident, picks, dst, ids, counts, *args, QUANT=quant, BLOCK=BLOCK, num_warps=WARPS)

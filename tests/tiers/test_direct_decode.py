@@ -1,0 +1,149 @@
+"""Direct decode: in generate's decode stage, qualifying layers read their misses from the pinned
+pool on the device (quant.direct), with no host sync and no staging.
+
+On CUDA the path is on by default and the logits are bit-identical to the untiered model's
+batched_mm decode (bf16 tiers). On the CPU, where transformers keeps grouped_mm, the decode
+switch and the direct path are forced to run the same logic through the torch reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiers
+from loader.layout import ExpertKey
+from tiers.integration import manager_of
+from tiers.residency import Home
+
+from test_end_to_end import GEN, assert_decode_logits, prompt
+
+# a few experts hot per layer, every other one warm in bf16; 8 staging slots, 4 reserved for direct misses
+DIRECT_BF16 = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
+
+
+def _load(packed, cfg, device, *, direct=True):
+    model = tiers.load(packed, cfg, device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.batched_decode = True  # what a GPU does; forced on the CPU
+    if device.type == "cpu":
+        mgr.direct_decode = direct  # the torch reference stands in for the kernel
+    else:
+        assert mgr.direct_decode == direct
+    return model, mgr
+
+
+def _count_direct(monkeypatch, mgr):
+    calls = []
+    fetch = mgr.fetch_direct
+    monkeypatch.setattr(mgr, "fetch_direct", lambda layer, idx: calls.append(layer) or fetch(layer, idx))
+    return calls
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_direct_decode_matches_untiered_decode(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory(model_type), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model, mgr = _load(packed_factory(model_type), DIRECT_BF16, device)
+    calls = _count_direct(monkeypatch, mgr)
+    layers = len(mgr.manifest.layers)
+    ids = prompt(device)  # 2 sequences x top-2: 4 picks per call, as many as the reserved slots
+    a = ref.generate(ids, **GEN)
+    mgr.reset_stats()
+    b = model.generate(ids, **GEN)
+    steps = GEN["max_new_tokens"] - 1
+    assert len(calls) == layers * steps, "every decode step of every layer must run direct"
+    assert torch.equal(a.sequences, b.sequences)
+    assert_decode_logits(a, b, device)
+    s = mgr.stats()
+    lookups = sum(s.hits.values())
+    prefill_lookups = lookups - layers * steps * 4
+    assert s.hits["cpu"] > 0 and prefill_lookups > 0
+    blob = mgr.manifest.layers[0].blobs["bf16"].nbytes
+    assert s.bytes_moved["cpu"] == blob * s.hits["cpu"], "every cpu hit moves one blob"
+    assert s.misses["gpu"] == s.hits["cpu"] + s.hits["nvme"]
+    # the reserved slots are given back, empty, with nobody holding them
+    assert not mgr._reserved and all(r == 0 for p in mgr.pools for r in p.readers)
+    # ... and the host-routed path works after the decode stage: a second generate matches too
+    c = model.generate(ids, **GEN)
+    assert torch.equal(a.sequences, c.sequences)
+    assert_decode_logits(a, c, device)
+
+
+def test_direct_counts_resident_and_read_picks(device, checkpoint_factory, packed_factory, monkeypatch):
+    """Each direct call's picks: resident (hot) ones count as gpu hits, the others as cpu hits
+    that moved one blob each; checked against the routing the calls saw."""
+    model, mgr = _load(packed_factory("mixtral"), DIRECT_BF16, device)
+    seen = []
+    fetch = mgr.fetch_direct
+    monkeypatch.setattr(mgr, "fetch_direct", lambda layer, idx: seen.append((layer, idx.reshape(-1).tolist())) or fetch(layer, idx))
+    model.generate(prompt(device), **GEN)
+    mgr.reset_stats()
+    seen.clear()
+    model.generate(prompt(device, batch=1), **GEN)
+    d_gpu, d_cpu, d_bytes = mgr.direct_served()
+    hot = sum(mgr.table[ExpertKey(L, e)].pinned for L, picks in seen for e in picks)
+    assert (d_gpu, d_cpu) == (hot, sum(len(p) for _, p in seen) - hot)
+    assert d_bytes == d_cpu * mgr.manifest.layers[0].blobs["bf16"].nbytes
+
+
+def test_direct_int8_misses_hold_the_decoded_blob(device, checkpoint_factory, packed_factory, monkeypatch):
+    """INT8 warm tier: after a direct call, each missed pick's slot holds exactly what the scheme
+    decodes from the expert's blob; logits stay close to bf16 (the INT8 bound of the end-to-end tests)."""
+    from test_integrity import decoded
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "int8"}, "nvme": {"precision": "int8"}}}
+    packed = packed_factory("qwen3_moe")
+    model, mgr = _load(packed, cfg, device)
+    checked = []
+    fetch = mgr.fetch_direct
+
+    def check(layer, idx):
+        ids = fetch(layer, idx)
+        pool = mgr.pool_of[layer]
+        for e, slot in zip(idx.reshape(-1).tolist(), ids.reshape(-1).tolist()):
+            if not mgr.table[ExpertKey(layer, e)].pinned:
+                want = decoded(packed, ExpertKey(layer, e), "int8", device)
+                for name, t in pool.tensors(slot).items():
+                    assert torch.equal(t, want[name]), f"layer {layer} expert {e} {name}"
+                checked.append(e)
+        return ids
+
+    monkeypatch.setattr(mgr, "fetch_direct", check)
+    model.generate(prompt(device, batch=1), **GEN)
+    assert checked, "no miss was read directly"
+
+
+@pytest.mark.parametrize("case", ["cold", "rebalance", "recording", "off", "too_many_picks"])
+def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_factory, packed_factory, monkeypatch):
+    """Layers that cannot run direct keep the host-routed path, still matching the untiered model."""
+    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
+    batch = 2
+    if case == "cold":
+        cfg["tiers"]["cpu"] = {"fraction": 0.2, "precision": "bf16"}  # some experts of every layer on disk
+    if case == "rebalance":
+        cfg["tiers"]["rebalance"] = {"every_tokens": 2}
+    if case == "too_many_picks":
+        batch = 3  # 6 picks per call, 4 reserved slots
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model, mgr = _load(packed_factory("mixtral"), cfg, device, direct=case != "off")
+    if case == "cold":
+        assert all(any(mgr.table[ExpertKey(L, e)].home is Home.NVME for e in range(8)) for L in mgr.manifest.layers)
+    if case == "recording":
+        mgr.recorded = []
+    calls = _count_direct(monkeypatch, mgr)
+    ids = prompt(device, batch=batch)
+    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
+    assert calls == []
+    assert torch.equal(a.sequences, b.sequences)
+    assert_decode_logits(a, b, device)
+
+
+def test_direct_reads_config_key():
+    from tiers.config import parse_config
+
+    assert parse_config(None).cpu.direct_reads is True
+    assert parse_config({"tiers": {"cpu": {"direct_reads": False}}}).cpu.direct_reads is False
+    with pytest.raises(ValueError, match="tiers.cpu.direct_reads"):
+        parse_config({"tiers": {"cpu": {"direct_reads": "yes"}}})

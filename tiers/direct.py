@@ -1,0 +1,172 @@
+"""Direct decode: generate's decode steps read warm experts straight from the pinned pool.
+
+Owns: the device-side residency tables of the layers that qualify, the staging slots reserved
+for their misses while a decode stage runs, and the counters of what they served. A mixin of
+the tier manager, like ``Prefetcher``.
+
+Why: in a decode step the host-routed path must bring each layer's picks to the host (one sync
+per layer) and stage every miss with a handful of host operations, so the GPU idles while
+Python works, layer after layer. Here a layer call stays on the device: one launch of
+``quant.direct.fetch`` looks each pick up in the layer's table (expert -> hot slot, or its
+offset in the pinned pool), decodes the misses from host memory into reserved slots over PCIe,
+and writes every pick's slot id, which transformers' ``batched_mm`` decode forward then uses as
+its expert ids. Nothing syncs, so the host queues the next layers while the GPU reads.
+
+A layer qualifies when each of its experts is hot or warm (none on disk: the GPU cannot read a
+file) in a precision ``quant.direct`` decodes, the rebalancer is off (it counts routing on the
+host), and no routing trace is being recorded. Other layers keep the host-routed path, in the
+same step. A miss is read into the reserved slot of its pick, so the reserved slots hold no
+cache across steps: hits are the hot experts.
+
+Slot rule: at ``begin_decode`` the manager holds the last ``staging // 2`` staging slots of each
+pool with a qualifying layer (after their pending writes, their owners evicted), so the
+host-routed path and the cache never touch them; every direct write and read is on the compute
+stream, in order; ``end_decode`` gives them back with a last-read event recorded there.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from loader.layout import ExpertKey
+from quant import direct
+from tiers.residency import Home
+
+
+@dataclass
+class _DirectLayer:
+    starts: torch.Tensor  # int64 [E]: each warm expert's offset in the host pool (0 for hot ones)
+    resident: torch.Tensor  # int32 [E]: each hot expert's slot, -1 for the rest
+    tensors: tuple[direct.DirectTensor, ...]
+    pool: Any
+    counts: torch.Tensor  # int64 [2]: the pool's resident and decoded picks (shared by its layers)
+    miss_bytes: int  # transfer-form bytes a decoded pick reads
+
+
+@dataclass
+class _Reserved:
+    slots: list[int]
+    dst: torch.Tensor  # int32 [len(slots)] on the device: pick j's miss goes to dst[j]
+
+
+class DirectDecoder:
+    """Mixed into ``TierManager``: uses its table, pools, host pool, streams and stats."""
+
+    def _init_direct(self, enabled: bool) -> None:
+        # on by config, on a GPU with Triton (tests switch it on for the CPU reference)
+        self.direct_decode = enabled and self.device.type == "cuda" and direct.kernel_available()
+        self._direct_layers: dict[int, _DirectLayer] | None = None  # built at the first decode stage
+        self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
+        self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
+
+    def _direct_qualifies(self, layer: int) -> bool:
+        if layer in self.static_maps:
+            return False
+        precision = self.cfg.cpu.precision
+        keys = [ExpertKey(layer, e) for e in range(self.manifest.layers[layer].layout.num_experts)]
+        return direct.supported(precision) and all(self.table[k].pinned or self.table[k].home is Home.CPU for k in keys)
+
+    def _build_direct(self) -> dict[int, _DirectLayer]:
+        out: dict[int, _DirectLayer] = {}
+        precision = self.cfg.cpu.precision
+        for layer, entry in self.manifest.layers.items():
+            if not self._direct_qualifies(layer):
+                continue
+            pool = self.pool_of[layer]
+            rows = [self.table[ExpertKey(layer, e)] for e in range(entry.layout.num_experts)]
+            starts = [0 if r.pinned else r.host_offset for r in rows]
+            resident = [r.slot if r.pinned else -1 for r in rows]
+            blob = entry.blobs[precision]
+            fields = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
+            tensors = tuple(
+                direct.DirectTensor(pool.slabs[t.name], fields[(t.name, "data" if precision == "bf16" else "qdata")],
+                                    None if precision == "bf16" else fields[(t.name, "scale")])
+                for t in entry.layout.tensors
+            )
+            counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
+            out[layer] = _DirectLayer(torch.tensor(starts, dtype=torch.int64, device=self.device),
+                                      torch.tensor(resident, dtype=torch.int32, device=self.device), tensors, pool,
+                                      counts, blob.nbytes)
+        return out
+
+    def begin_decode(self) -> None:
+        """A decode stage begins: reserve slots for the qualifying layers' misses."""
+        if not self.direct_decode or self.rebalancer is not None or self.recorded is not None or self._reserved:
+            return
+        if self._direct_layers is None:
+            self._direct_layers = self._build_direct()
+        if not self._direct_layers:
+            return
+        self.drain()  # read-aheads hold slots until they land
+        compute = self.streams.current()
+        for pool in {id(d.pool): d.pool for d in self._direct_layers.values()}.values():
+            hot = self.hot_count[id(pool)]
+            n = (pool.n_slots - hot) // 2
+            if n == 0:
+                continue
+            slots = list(range(pool.n_slots - n, pool.n_slots))
+            for s in slots:
+                assert pool.readers[s] == 0, f"slot {s} is held between forwards"
+                if pool.owner[s] is not None:
+                    self.drop_staged(pool, s)
+                pool.hold(s)
+                pool.wait_ready(s, compute)  # a write still queued on the copy or dequant stream lands first
+            self._reserved[id(pool)] = _Reserved(slots, torch.tensor(slots, dtype=torch.int32, device=self.device))
+
+    def end_decode(self) -> None:
+        """The decode stage ended: the reserved slots go back, read last by what is queued now."""
+        if not self._reserved:
+            return
+        ev = self.streams.event()
+        ev.record(self.streams.current())
+        for pool in self.pools:
+            r = self._reserved.pop(id(pool), None)
+            if r is not None:
+                for s in r.slots:
+                    pool.end_read_at(s, ev)
+
+    def direct_ready(self, layer: int, picks: int) -> bool:
+        """True when this layer call (``picks`` = tokens x top-k) runs direct."""
+        if not self._reserved:
+            return False
+        d = self._direct_layers.get(layer)
+        if d is None:
+            return False
+        r = self._reserved.get(id(d.pool))
+        return r is not None and picks <= len(r.slots)
+
+    def fetch_direct(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
+        """The slot of each pick (int64, shaped as ``top_k_index``), with every miss decoded into
+        a reserved slot; queued on the current stream, no sync."""
+        d = self._direct_layers[layer]
+        flat = top_k_index.reshape(-1)
+        ids = torch.empty(flat.shape, dtype=torch.int64, device=flat.device)
+        dst = self._reserved[id(d.pool)].dst[: flat.numel()]
+        start = None
+        if self.timing:
+            start = self.streams.event(timing=True)
+            start.record(self.streams.current())
+        direct.fetch(self.host.slab, d.starts, d.resident, flat, dst, ids, d.counts, d.tensors)
+        if start is not None:
+            end = self.streams.event(timing=True)
+            end.record(self.streams.current())
+            self.stats_.timed("stage", start, end)
+        return ids.view(top_k_index.shape)
+
+    def direct_served(self) -> tuple[int, int, int]:
+        """(gpu hits, cpu hits, bytes read) of direct calls since the last reset (syncs)."""
+        hits = misses = moved = 0
+        seen = set()
+        for d in (self._direct_layers or {}).values():
+            if id(d.counts) in seen:
+                continue
+            seen.add(id(d.counts))
+            h, m = d.counts.tolist()
+            hits, misses, moved = hits + h, misses + m, moved + m * d.miss_bytes
+        return hits, misses, moved
+
+    def reset_direct(self) -> None:
+        for c in self._direct_counts.values():
+            c.zero_()
