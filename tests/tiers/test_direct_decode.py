@@ -27,9 +27,8 @@ def _load(packed, cfg, device, *, direct=True):
     mgr = manager_of(model)
     mgr.batched_decode = True  # what a GPU does; forced on the CPU
     if device.type == "cpu":
-        mgr.direct_decode = direct  # the torch reference stands in for the kernel
-    else:
-        assert mgr.direct_decode == direct
+        mgr.direct_decode = mgr.cfg.cpu.direct_reads  # the torch reference stands in for the kernel
+    assert mgr.direct_decode == direct
     return model, mgr
 
 
@@ -114,7 +113,7 @@ def test_direct_int8_misses_hold_the_decoded_blob(device, checkpoint_factory, pa
     assert checked, "no miss was read directly"
 
 
-@pytest.mark.parametrize("case", ["cold", "rebalance", "recording", "off", "too_many_picks"])
+@pytest.mark.parametrize("case", ["cold", "rebalance", "recording", "off", "too_many_picks", "large_experts"])
 def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_factory, packed_factory, monkeypatch):
     """Layers that cannot run direct keep the host-routed path, still matching the untiered model."""
     cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
@@ -125,8 +124,14 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
         cfg["tiers"]["rebalance"] = {"every_tokens": 2}
     if case == "too_many_picks":
         batch = 3  # 6 picks per call, 4 reserved slots
+    if case == "large_experts":
+        from tiers.engine import TierManager
+
+        monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)  # these experts count as large: the copy engine moves them
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
     ref.set_experts_implementation("grouped_mm")
+    if case == "off":
+        cfg["tiers"]["cpu"]["direct_reads"] = False
     model, mgr = _load(packed_factory("mixtral"), cfg, device, direct=case != "off")
     if case == "cold":
         assert all(any(mgr.table[ExpertKey(L, e)].home is Home.NVME for e in range(8)) for L in mgr.manifest.layers)
