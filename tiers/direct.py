@@ -1,6 +1,8 @@
-"""Direct decode: generate's decode steps read warm experts straight from the pinned pool.
+"""Direct reads: the GPU decodes small experts straight out of the pinned pool.
 
-Owns: the device-side residency tables of the layers that qualify, the staging slots reserved
+Owns: direct stacks (the staging path's small misses, decoded in place from host memory in one
+launch per stack on the copy stream instead of a copy each plus a dequantization), and direct
+decode: the device-side residency tables of the layers that qualify, the staging slots reserved
 for their misses while a decode stage runs, and the counters of what they served. A mixin of
 the tier manager, like ``Prefetcher``.
 
@@ -57,20 +59,64 @@ class DirectDecoder:
     """Mixed into ``TierManager``: uses its table, pools, host pool, streams and stats."""
 
     def _init_direct(self, enabled: bool) -> None:
-        # on by config, on a GPU with Triton (tests switch it on for the CPU reference)
-        self.direct_decode = enabled and self.device.type == "cuda" and direct.kernel_available()
+        # on by config, on a GPU with Triton and a pinned pool (tests switch them on for the CPU reference)
+        self.direct_reads = enabled and self.device.type == "cuda" and self.host.pinned and direct.kernel_available()
+        self.direct_decode = self.direct_reads
+        self._direct_tensors: dict[tuple[int, str], tuple[direct.DirectTensor, ...] | None] = {}
+        # a direct stack's picks are 0..k-1, none resident; its ids and counts go to scratch
+        n = self.STACK_EXPERTS
+        self._stack_picks = torch.arange(n, dtype=torch.int64, device=self.device)
+        self._stack_resident = torch.full((n,), -1, dtype=torch.int32, device=self.device)
+        self._stack_ids = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._stack_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._direct_layers: dict[int, _DirectLayer] | None = None  # built at the first decode stage
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
 
+    def direct_tensors(self, pool: Any, blob: Any) -> tuple[direct.DirectTensor, ...] | None:
+        """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU should
+        not read it in place (a precision it does not decode, or a large expert)."""
+        key = (id(pool), blob.precision)
+        if key not in self._direct_tensors:
+            tensors = None
+            if direct.supported(blob.precision) and blob.nbytes <= self.STACK_BYTES:
+                fields = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
+                lossless = blob.precision == "bf16"
+                tensors = tuple(direct.DirectTensor(pool.slabs[name], fields[(name, "data" if lossless else "qdata")],
+                                                    None if lossless else fields[(name, "scale")])
+                                for name, _ in blob.shapes)
+            self._direct_tensors[key] = tensors
+        return self._direct_tensors[key]
+
+    def fetch_stack(self, pool: Any, blob: Any, starts: list[int], slots: list[int]) -> Any:
+        """Decode the blobs at ``starts`` in the host pool into ``slots`` in one launch on the copy
+        stream, which the slots' last reads were ordered before; returns the ready event. The
+        offsets and slots go through a pinned ring buffer the kernel reads in place."""
+        k = len(slots)
+        i = self._ring_buffer()
+        arr = self._arrays_of[torch.int64][i]
+        arr[:k] = starts
+        arr[k : 2 * k] = slots
+        buf = self._maps_of[torch.int64][i]
+        with self.streams.use(self.copy_stream):
+            direct.fetch(self.host.slab, buf[:k], self._stack_resident, self._stack_picks[:k], buf[k : 2 * k],
+                         self._stack_ids[:k], self._stack_counts, self.direct_tensors(pool, blob))
+        done = self._map_events[i]
+        done.record(self.copy_stream)
+        self.map_copied[i] = done
+        ready = self.streams.event(timing=self.timing)
+        ready.record(self.copy_stream)
+        return ready
+
     def _direct_qualifies(self, layer: int) -> bool:
         if layer in self.static_maps:
             return False
-        precision = self.cfg.cpu.precision
-        keys = [ExpertKey(layer, e) for e in range(self.manifest.layers[layer].layout.num_experts)]
-        if not direct.supported(precision) or self.manifest.layers[layer].blobs[precision].nbytes > self.STACK_BYTES:
+        entry = self.manifest.layers[layer]
+        blob = entry.blobs.get(self.cfg.cpu.precision)
+        if blob is None or self.direct_tensors(self.pool_of[layer], blob) is None:
             return False
-        return all(self.table[k].pinned or self.table[k].home is Home.CPU for k in keys)
+        return all(self.table[ExpertKey(layer, e)].pinned or self.table[ExpertKey(layer, e)].home is Home.CPU
+                   for e in range(entry.layout.num_experts))
 
     def _build_direct(self) -> dict[int, _DirectLayer]:
         out: dict[int, _DirectLayer] = {}
@@ -83,12 +129,7 @@ class DirectDecoder:
             starts = [0 if r.pinned else r.host_offset for r in rows]
             resident = [r.slot if r.pinned else -1 for r in rows]
             blob = entry.blobs[precision]
-            fields = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
-            tensors = tuple(
-                direct.DirectTensor(pool.slabs[t.name], fields[(t.name, "data" if precision == "bf16" else "qdata")],
-                                    None if precision == "bf16" else fields[(t.name, "scale")])
-                for t in entry.layout.tensors
-            )
+            tensors = self.direct_tensors(pool, blob)
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             out[layer] = _DirectLayer(torch.tensor(starts, dtype=torch.int64, device=self.device),
                                       torch.tensor(resident, dtype=torch.int32, device=self.device), tensors, pool,

@@ -118,13 +118,15 @@ class Handle:
 
 @dataclass
 class _Stack:
-    """Lossy copies into consecutive transit rows of one pool, to be dequantized together."""
+    """Lossy copies into consecutive transit rows of one pool, to be dequantized together; or
+    (``starts`` set) small experts the GPU reads straight from the host pool, in one launch."""
 
     pool: SlotPool
     blob: Any
     precision: str
-    row: int  # the first transit row
+    row: int  # the first transit row (-1 for a direct stack)
     slots: list[int]
+    starts: list[int] | None = None  # a direct stack: each expert's offset in the host pool
 
 
 @dataclass
@@ -468,6 +470,35 @@ class TierManager(Prefetcher, DirectDecoder):
         blob = self.manifest.blob(key, precision)
         scheme = quant.get_scheme(precision)
         pool.begin_write(slot, key, self.copy_stream, waited=b.waited)
+        if self.direct_reads and self.direct_tensors(pool, blob) is not None:
+            self._stage_direct(b, pool, slot, blob, src)
+        else:
+            self._stage_copy(b, pool, slot, blob, scheme, src)
+        if source == "nvme":
+            b.rings.append((id(pool), slot))
+        self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()
+        if not self.timing:  # on the CPU copies run as they are queued: time them on the clock
+            self.stats_.stage_seconds += self.clock() - t0
+        return None
+
+    def _stage_direct(self, b: _Batch, pool: SlotPool, slot: int, blob: Any, src: torch.Tensor) -> None:
+        """Join the pool's open direct stack (the GPU will read ``src`` in place, on the copy
+        stream, so every read of host memory stays ordered there)."""
+        if self.timing and b.start is None:
+            b.start = self.streams.event(timing=True)
+            b.start.record(self.copy_stream)
+        g = b.groups.get(id(pool))
+        if g is not None and (g.starts is None or g.precision != blob.precision or len(g.slots) >= self.STACK_EXPERTS):
+            self._dequantize(b, b.groups.pop(id(pool)))
+            g = None
+        if g is None:
+            g = b.groups[id(pool)] = _Stack(pool, blob, blob.precision, -1, [], [])
+        g.slots.append(slot)
+        g.starts.append(src.data_ptr() - self.host.slab.data_ptr())
+
+    def _stage_copy(self, b: _Batch, pool: SlotPool, slot: int, blob: Any, scheme: Any, src: torch.Tensor) -> None:
+        """Queue the copy up: into the slot when lossless, else into the next transit row."""
+        precision = blob.precision
         if not scheme.lossless:
             g = b.groups.get(id(pool))
             row = self.next_row[id(pool)]
@@ -496,18 +527,19 @@ class TierManager(Prefetcher, DirectDecoder):
             if self.stack_limit[id(pool)] < 2:
                 # experts too large to stack: this one's dequantization overlaps the next one's copy
                 self._dequantize(b, b.groups.pop(id(pool)))
-        if source == "nvme":
-            b.rings.append((id(pool), slot))
-        self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()
-        if not self.timing:  # on the CPU copies run as they are queued: time them on the clock
-            self.stats_.stage_seconds += self.clock() - t0
-        return None
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the
         dequant stream, after the copies land; one ready event for all of them."""
         pool, k = g.pool, len(g.slots)
         t0 = self.clock()
+        if g.starts is not None:
+            ready = self.fetch_stack(pool, g.blob, g.starts, g.slots)
+            pool.written(g.slots, self.copy_stream, ready)
+            b.last = ready
+            if not self.timing:
+                self.stats_.stage_seconds += self.clock() - t0
+            return
         landed = self.streams.event()
         landed.record(self.copy_stream)
         scheme = quant.get_scheme(g.precision)

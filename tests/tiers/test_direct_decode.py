@@ -152,3 +152,87 @@ def test_direct_reads_config_key():
     assert parse_config({"tiers": {"cpu": {"direct_reads": False}}}).cpu.direct_reads is False
     with pytest.raises(ValueError, match="tiers.cpu.direct_reads"):
         parse_config({"tiers": {"cpu": {"direct_reads": "yes"}}})
+
+
+# -- direct stacks: the staging path's small misses, read in place ------------------------------
+def test_direct_stacks_serve_the_decoded_blob(device, packed_factory):
+    """Random layer calls staged through direct stacks (forced on the CPU, the default on CUDA):
+    every slot holds exactly its blob dequantized alone, and no copy into a transit row is made."""
+    from test_integrity import decoded
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 6}, "cpu": {"fraction": 0.25, "precision": "int8"}, "nvme": {"precision": "int8"}}}
+    packed = packed_factory("qwen3_moe")
+    mgr = manager_of(tiers.load(packed, cfg, device=device, progress=False))
+    if device.type == "cpu":
+        mgr.direct_reads = True
+    assert mgr.direct_reads
+    copies = []
+    mgr._stage_copy = lambda *a: copies.append(a)
+    import random
+
+    rng = random.Random(0)
+    layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
+    checked = 0
+    for _ in range(30):
+        layer = rng.choice(layers)
+        held = mgr.acquire_layer(layer, sorted(rng.sample(range(8), rng.randint(2, 6))))
+        mgr.wait_all(held)
+        for h in held:
+            if not mgr.table[h.key].pinned:
+                want = decoded(packed, h.key, mgr._precision_of(mgr.table[h.key]), device)
+                for name, t in h.tensors.items():
+                    assert torch.equal(t, want[name]), f"{h.key} {name}"
+                checked += 1
+        mgr.release_all(held)
+    assert checked > 30 and not copies
+    assert all(r == 0 for p in mgr.pools for r in p.readers)
+
+
+def test_a_direct_stack_reads_after_the_slots_last_reads_and_before_its_ready_event(packed_factory):
+    """Recording streams: a direct stack's launch (a use of the copy stream) comes after the copy
+    stream waited on the last read of every slot it rewrites; its slots' ready event is recorded on
+    the copy stream after the launch; stacks hold at most STACK_EXPERTS experts."""
+    from test_engine import _recorded_manager
+
+    mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4)
+    mgr.direct_reads = True
+    pool = mgr.pools[0]
+    stacks = []
+    fetch = mgr.fetch_stack
+
+    def spy(pool_, blob, starts, slots):
+        rec.order.append(("fetch", None, tuple(slots)))
+        ready = fetch(pool_, blob, starts, slots)
+        stacks.append((tuple(slots), ready))
+        return ready
+
+    mgr.fetch_stack = spy
+    layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
+    checked = 0
+    for round_ in range(12):
+        layer = layers[round_ % len(layers)]
+        misses = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].pinned][:4]
+        last_reads = {s: pool.last_read[s] for s in range(pool.n_slots)}
+        start = len(rec.order)
+        held = mgr.acquire_layer(layer, misses)
+        assert held is not None
+        order = rec.order[start:]
+        for slots, ready in stacks:
+            at = next((i for i, o in enumerate(order) if o[0] == "fetch" and o[2] == slots), None)
+            if at is None:
+                continue
+            assert len(slots) <= mgr.STACK_EXPERTS
+            for s in slots:
+                ev = last_reads[s]
+                if ev is not None:
+                    assert any(o[0] == "wait" and o[1] is mgr.copy_stream and o[2] is ev for o in order[:at]), f"slot {s}"
+                    checked += 1
+            rec_at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is ready)
+            assert order[rec_at][1] is mgr.copy_stream and rec_at > at
+            for h in held:
+                if h.slot in slots:
+                    assert pool.ready[h.slot] is ready
+        stacks.clear()
+        mgr.wait_all(held)
+        mgr.release_all(held)
+    assert checked > 10
