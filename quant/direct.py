@@ -4,7 +4,8 @@ Owns: ``fetch``, one gather-and-decode over the picks of a layer call. For each 
 expert ``e = picks[j]`` is either resident (``resident[e]`` is its slot) or its encoding lies
 in the byte buffer ``src`` at ``starts[e]``; a resident pick only reports its slot, any other
 is decoded into slot ``dst[j]`` of every output slab. ``ids[j]`` receives the slot each pick's
-weights are in, and ``counts`` (int64 ``[2]``) grows by the resident and the decoded picks.
+weights are in, ``counts`` (int64 ``[2]``) grows by the resident and the decoded picks, and
+``usage`` (int64 ``[E]``, optional) by one for each pick's expert.
 
 On CUDA ``src`` is page-locked host memory and one Triton launch reads it over PCIe from the
 SMs: no copy engine, no staging buffer, and no host sync, since the picks never leave the
@@ -50,7 +51,7 @@ def kernel_available() -> bool:
 
 
 def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
-          ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...]) -> torch.Tensor:
+          ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...], usage: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. ``src``: uint8 ``[bytes]``; ``starts``: int64 ``[E]``; ``resident``:
     int32 ``[E]`` (-1: not resident); ``picks``: int64 ``[m]``; ``dst``: int32 ``[m]``; ``ids``:
     int64 ``[m]``, written. Runs the kernel when the slabs are on CUDA, else the reference."""
@@ -59,17 +60,20 @@ def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks
     if tensors[0].out.device.type == "cuda" and kernel_available():
         from quant.direct_kernel import launch
 
-        launch(src, starts, resident, picks, dst, ids, counts, tensors)
+        launch(src, starts, resident, picks, dst, ids, counts, tensors, usage)
         return ids
-    return fetch_reference(src, starts, resident, picks, dst, ids, counts, tensors)
+    return fetch_reference(src, starts, resident, picks, dst, ids, counts, tensors, usage)
 
 
 def fetch_reference(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
-                    ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...]) -> torch.Tensor:
+                    ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...],
+                    usage: torch.Tensor | None = None) -> torch.Tensor:
     """``fetch`` with torch operations, one pick at a time (brings the picks to the host)."""
     res, st, slots_out = resident.tolist(), starts.tolist(), []
     hits = 0
     for j, e in enumerate(picks.tolist()):
+        if usage is not None:
+            usage[e] += 1
         if res[e] >= 0:
             slots_out.append(res[e])
             hits += 1

@@ -17,8 +17,11 @@ its expert ids. Nothing syncs, so the host queues the next layers while the GPU 
 A layer qualifies when each of its experts is hot or warm (none on disk: the GPU cannot read a
 file) in a precision ``quant.direct`` decodes, its experts are small (transfer form at most
 ``STACK_BYTES``: the SMs read pinned memory at 47-50 GB/s against the copy engine's 53-55, so
-large experts, whose copies outlast the host's work anyway, keep the copy engine), the
-rebalancer is off (it counts routing on the host), and no routing trace is being recorded. Other layers keep the host-routed path, in the
+large experts, whose copies outlast the host's work anyway, keep the copy engine), and no
+routing trace is being recorded. With the rebalancer on, direct calls count their picks per
+expert on the device; the rebalancer takes those counts (one sync) when an interval closes,
+and when its swaps land the tables are rebuilt and the compute stream waits for the copies
+into the promoted experts' hot slots. Other layers keep the host-routed path, in the
 same step. A miss is read into the reserved slot of its pick, so the reserved slots hold no
 cache across steps: hits are the hot experts.
 
@@ -29,6 +32,7 @@ stream, in order; ``end_decode`` gives them back with a last-read event recorded
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +50,7 @@ class _DirectLayer:
     tensors: tuple[direct.DirectTensor, ...]
     pool: Any
     counts: torch.Tensor  # int64 [2]: the pool's resident and decoded picks (shared by its layers)
-    miss_bytes: int  # transfer-form bytes a decoded pick reads
+    usage: torch.Tensor | None  # int64 [E]: picks per expert, for the rebalancer (None without one)
 
 
 @dataclass
@@ -70,8 +74,14 @@ class DirectDecoder:
         self._stack_ids = torch.empty(n, dtype=torch.int64, device=self.device)
         self._stack_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._direct_layers: dict[int, _DirectLayer] | None = None  # built at the first decode stage
+        self._direct_version = -1  # the residency table's homes_version the tables were built at
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
+        self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
+        # picks per expert of every layer, counted on the device for the rebalancer (fetched once per interval)
+        self._layer_row = {L: i for i, L in enumerate(sorted(self.manifest.layers))}
+        width = max(e.layout.num_experts for e in self.manifest.layers.values())
+        self._usage = torch.zeros((len(self._layer_row), width), dtype=torch.int64, device=self.device) if self.rebalancer else None
 
     def direct_tensors(self, pool: Any, blob: Any) -> tuple[direct.DirectTensor, ...] | None:
         """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU should
@@ -131,16 +141,40 @@ class DirectDecoder:
             blob = entry.blobs[precision]
             tensors = self.direct_tensors(pool, blob)
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
+            self._direct_miss_bytes[id(pool)] = blob.nbytes
+            usage = None if self._usage is None else self._usage[self._layer_row[layer], : entry.layout.num_experts]
+            # new tensors, not a rewrite: kernels queued earlier keep reading the tables they were given
             out[layer] = _DirectLayer(torch.tensor(starts, dtype=torch.int64, device=self.device),
                                       torch.tensor(resident, dtype=torch.int32, device=self.device), tensors, pool,
-                                      counts, blob.nbytes)
+                                      counts, usage)
+        self._direct_version = self.table.homes_version
         return out
+
+    def _refresh_direct(self) -> None:
+        """The rebalancer moved experts: rebuild the tables, and order the compute stream after the
+        copies into hot slots that promotions queued (a direct call reads hot slots without holding them)."""
+        self._direct_layers = self._build_direct()
+        compute = self.streams.current()
+        for pool in self.pools:
+            for s in range(self.hot_count[id(pool)]):
+                if pool.ready[s] is not None and pool.readers[s] == 0:
+                    pool.hold(s)
+                    pool.wait_ready(s, compute)
+                    pool.end_read_at(s, None)
+
+    def take_direct_usage(self) -> Counter:
+        """Picks per expert counted by direct calls since the last take (one sync), then zeroed."""
+        if self._usage is None or self._direct_layers is None:
+            return Counter()
+        rows = self._usage.tolist()
+        self._usage.zero_()
+        return Counter({ExpertKey(L, e): n for L, i in self._layer_row.items() for e, n in enumerate(rows[i]) if n})
 
     def begin_decode(self) -> None:
         """A decode stage begins: reserve slots for the qualifying layers' misses."""
-        if not self.direct_decode or self.rebalancer is not None or self.recorded is not None or self._reserved:
+        if not self.direct_decode or self.recorded is not None or self._reserved:
             return
-        if self._direct_layers is None:
+        if self._direct_layers is None or self._direct_version != self.table.homes_version:
             self._direct_layers = self._build_direct()
         if not self._direct_layers:
             return
@@ -182,10 +216,19 @@ class DirectDecoder:
         r = self._reserved.get(id(d.pool))
         return r is not None and picks <= len(r.slots)
 
-    def fetch_direct(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
+    def fetch_direct(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
         """The slot of each pick (int64, shaped as ``top_k_index``), with every miss decoded into
-        a reserved slot; queued on the current stream, no sync."""
-        d = self._direct_layers[layer]
+        a reserved slot; queued on the current stream, no sync. With a rebalancer the call is
+        noted first (its swaps land at the first layer): if that leaves this layer unqualified (an
+        expert went to disk), None, and the caller runs the host-routed path for this call, whose
+        routing the rebalancer has yet to count (``begin_call(..., noted=True)``)."""
+        if self.rebalancer is not None:
+            self.rebalancer.note_call(layer, [], top_k_index.shape[0], first=layer == self.first_layer)
+            if self._direct_version != self.table.homes_version:
+                self._refresh_direct()
+        d = self._direct_layers.get(layer)
+        if d is None:
+            return None
         flat = top_k_index.reshape(-1)
         ids = torch.empty(flat.shape, dtype=torch.int64, device=flat.device)
         dst = self._reserved[id(d.pool)].dst[: flat.numel()]
@@ -193,7 +236,7 @@ class DirectDecoder:
         if self.timing:
             start = self.streams.event(timing=True)
             start.record(self.streams.current())
-        direct.fetch(self.host.slab, d.starts, d.resident, flat, dst, ids, d.counts, d.tensors)
+        direct.fetch(self.host.slab, d.starts, d.resident, flat, dst, ids, d.counts, d.tensors, d.usage)
         if start is not None:
             end = self.streams.event(timing=True)
             end.record(self.streams.current())
@@ -203,13 +246,9 @@ class DirectDecoder:
     def direct_served(self) -> tuple[int, int, int]:
         """(gpu hits, cpu hits, bytes read) of direct calls since the last reset (syncs)."""
         hits = misses = moved = 0
-        seen = set()
-        for d in (self._direct_layers or {}).values():
-            if id(d.counts) in seen:
-                continue
-            seen.add(id(d.counts))
-            h, m = d.counts.tolist()
-            hits, misses, moved = hits + h, misses + m, moved + m * d.miss_bytes
+        for pid, counts in self._direct_counts.items():
+            h, m = counts.tolist()
+            hits, misses, moved = hits + h, misses + m, moved + m * self._direct_miss_bytes[pid]
         return hits, misses, moved
 
     def reset_direct(self) -> None:

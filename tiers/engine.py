@@ -340,13 +340,14 @@ class TierManager(Prefetcher, DirectDecoder):
             torch.cuda.synchronize(self.device)
 
     # -- serving -------------------------------------------------------------------------
-    def begin_call(self, layer: int, experts: list[int], tokens: int) -> None:
+    def begin_call(self, layer: int, experts: list[int], tokens: int, noted: bool = False) -> None:
         """A layer call with ``tokens`` tokens routed to ``experts`` begins: tell the cache policy
-        (it forecasts by layer order) and the rebalancer (it counts routing per rolling window)."""
+        (it forecasts by layer order) and the rebalancer (it counts routing per rolling window;
+        ``noted``: the call was already noted there, by a direct call that fell back)."""
         keys = [ExpertKey(layer, e) for e in experts]
         self.cache[id(self.pool_of[layer])].visit(layer, keys)
         if self.rebalancer is not None:
-            self.rebalancer.note_call(layer, keys, tokens, first=layer == self.first_layer)
+            self.rebalancer.note_call(layer, keys, tokens, first=layer == self.first_layer and not noted)
 
     def drop_staged(self, pool: SlotPool, slot: int) -> None:
         """Empty an unheld staging slot (its expert leaves the GPU); the cache offers it first."""

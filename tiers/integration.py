@@ -199,14 +199,17 @@ def tiers_grouped_experts_forward(
             return forward(_proxy(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
         pool = mgr.pool_of[binding.layer]
         return forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
+    noted = False
     if mgr.decoding and mgr.direct_ready(binding.layer, top_k_index.numel()):
         # a decode step whose misses the GPU reads from pinned memory itself: no sync, no staging
-        pool = mgr.pool_of[binding.layer]
         ids = mgr.fetch_direct(binding.layer, top_k_index)  # [T, k] slots
-        return batched_mm_experts_forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, ids, top_k_weights)
+        if ids is not None:
+            pool = mgr.pool_of[binding.layer]
+            return batched_mm_experts_forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, ids, top_k_weights)
+        noted = True  # the rebalancer moved an expert of this layer to disk: the host-routed path, already noted
     with torch.no_grad():
         hit, counts, picks = _route(self, binding, hidden_states, top_k_index)
-    mgr.begin_call(binding.layer, hit, hidden_states.shape[0])
+    mgr.begin_call(binding.layer, hit, hidden_states.shape[0], noted=noted)
     if not hit:  # no routed expert: grouped_mm would leave every row unwritten
         return torch.zeros_like(hidden_states)
     pool = mgr.pool_of[binding.layer]

@@ -180,6 +180,8 @@ class Rebalancer:
             return
         if first:
             self.land()
+            if self.window.tokens + tokens >= self.window.every:  # the interval closes: add direct decode's device counts
+                self.window.count(self.mgr.take_direct_usage())
             freq = self.window.add_tokens(tokens)
             if freq is not None:
                 self.rebalance(freq)
@@ -246,8 +248,12 @@ class Rebalancer:
 
     def _read_into_place(self, key: ExpertKey, offset: int) -> Future:
         """Read ``key``'s cpu blob into the host pool at ``offset`` on a rebalance thread, once every
-        copy queued so far on the copy stream (one may still read the old bytes there) is done."""
+        read of host memory queued so far is done: the copy stream's copies and direct stacks, and
+        the compute stream's direct decode kernels (one may still read the old bytes there)."""
         mgr = self.mgr
+        compute = mgr.streams.event()
+        compute.record(mgr.streams.current())
+        mgr.copy_stream.wait_event(compute)
         fence = mgr.streams.event()
         fence.record(mgr.copy_stream)
         cp = mgr.cfg.cpu.precision

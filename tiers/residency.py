@@ -118,6 +118,9 @@ def transition(r: Residency, op: Op, slot: int | None = None, offset: int | None
 class ResidencyTable:
     def __init__(self, initial: dict[ExpertKey, Residency]):
         self._table = dict(initial)
+        # bumped whenever an expert's home, host place or pinning changes (the rebalancer's ops):
+        # copies of the table kept elsewhere (the device-side tables of direct decode) compare it
+        self.homes_version = 0
 
     def __getitem__(self, key: ExpertKey) -> Residency:
         return self._table[key]
@@ -133,6 +136,9 @@ class ResidencyTable:
             new = transition(self._table[key], op, slot, offset)
         except IllegalTransition as e:
             raise IllegalTransition(f"{key}: {e}") from None
+        old = self._table[key]
+        if (old.home, old.host_offset, old.pinned) != (new.home, new.host_offset, new.pinned):
+            self.homes_version += 1
         self._table[key] = new
         return new
 

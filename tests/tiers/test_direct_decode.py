@@ -7,6 +7,8 @@ switch and the direct path are forced to run the same logic through the torch re
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -113,15 +115,13 @@ def test_direct_int8_misses_hold_the_decoded_blob(device, checkpoint_factory, pa
     assert checked, "no miss was read directly"
 
 
-@pytest.mark.parametrize("case", ["cold", "rebalance", "recording", "off", "too_many_picks", "large_experts"])
+@pytest.mark.parametrize("case", ["cold", "recording", "off", "too_many_picks", "large_experts"])
 def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_factory, packed_factory, monkeypatch):
     """Layers that cannot run direct keep the host-routed path, still matching the untiered model."""
     cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
     batch = 2
     if case == "cold":
         cfg["tiers"]["cpu"] = {"fraction": 0.2, "precision": "bf16"}  # some experts of every layer on disk
-    if case == "rebalance":
-        cfg["tiers"]["rebalance"] = {"every_tokens": 2}
     if case == "too_many_picks":
         batch = 3  # 6 picks per call, 4 reserved slots
     if case == "large_experts":
@@ -143,6 +143,52 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
     assert calls == []
     assert torch.equal(a.sequences, b.sequences)
     assert_decode_logits(a, b, device)
+
+
+def test_direct_decode_with_the_rebalancer(device, checkpoint_factory, packed_factory, monkeypatch):
+    """The rebalancer on: direct calls count their picks on the device, the rebalancer takes the
+    counts once per interval (exactly the picks of the direct calls since the last take), swaps
+    land between forwards and the device tables follow them; the logits still match the
+    untiered model's (bf16 tiers)."""
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    cfg = {"tiers": DIRECT_BF16["tiers"] | {"rebalance": {"every_tokens": 2, "margin": 0.0, "window": 2}}}
+    model, mgr = _load(packed_factory("mixtral"), cfg, device)
+    picks: Counter = Counter()
+    taken: Counter = Counter()
+    fetch, take = mgr.fetch_direct, mgr.take_direct_usage
+
+    def spy_fetch(layer, idx):
+        ids = fetch(layer, idx)
+        if ids is not None:
+            picks.update(ExpertKey(layer, e) for e in idx.reshape(-1).tolist())
+        return ids
+
+    def spy_take():
+        got = take()
+        taken.update(got)
+        return got
+
+    monkeypatch.setattr(mgr, "fetch_direct", spy_fetch)
+    monkeypatch.setattr(mgr, "take_direct_usage", spy_take)
+    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3)).to(device)
+    kw = GEN | {"max_new_tokens": 24, "min_new_tokens": 24}
+    a, b = ref.generate(ids, **kw), model.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert_decode_logits(a, b, device)
+    s = mgr.stats()
+    assert s.rebalance["promoted_hot"] > 0 and sum(picks.values()) > 0
+    assert sum(taken.values()) > 0, "the rebalancer must take the device counts when an interval closes"
+    assert taken + take() == picks, "the device counts must be exactly the direct calls' picks"
+    # the device tables follow the residency table after the swaps
+    mgr.begin_decode()
+    assert mgr._direct_version == mgr.table.homes_version
+    for layer, d in mgr._direct_layers.items():
+        for e, (slot, start) in enumerate(zip(d.resident.tolist(), d.starts.tolist())):
+            r = mgr.table[ExpertKey(layer, e)]
+            assert slot == (r.slot if r.pinned else -1) and (r.pinned or start == r.host_offset)
+    mgr.end_decode()
+    mgr.close()
 
 
 def test_direct_reads_config_key():

@@ -209,6 +209,35 @@ def test_hot_swap_forks_the_compute_stream_before_the_copy(packed_factory):
     mgr.close()
 
 
+def test_a_host_place_is_refilled_only_after_every_queued_read_of_it(packed_factory, monkeypatch):
+    """Direct decode kernels read warm places on the compute stream, copies and direct stacks on
+    the copy stream: the fence a rebalance read waits on before refilling a place is recorded on
+    the copy stream after it waited on an event recorded on the compute stream."""
+    from test_slots import Recorder, RecordingStreams
+
+    rec = Recorder()
+    streams = RecordingStreams(rec)
+    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": 1, "margin": 0.0, "max_moves": 1}}})
+    manifest = read_manifest(packed_factory("mixtral"))
+    mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
+    fences = []
+    read_after = mgr.rebalancer._read_after
+    monkeypatch.setattr(mgr.rebalancer, "_read_after", lambda fence, *a: fences.append(fence) or read_after(fence, *a))
+    newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
+    mgr.rebalancer.window.count([newcomer] * 5)
+    start = len(rec.order)
+    mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+    mgr.rebalancer.land(wait=True)
+    assert fences, "the swap must refill a place (the demoted expert's cpu blob)"
+    order = rec.order[start:]
+    for fence in fences:
+        at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is fence)
+        assert order[at][1] is mgr.copy_stream
+        compute = [o[2] for o in order[:at] if o[0] == "record" and o[1] is streams.compute]
+        assert any(o[0] == "wait" and o[1] is mgr.copy_stream and o[2] is ev for ev in compute for o in order[:at])
+    mgr.close()
+
+
 def test_a_failed_warm_read_leaves_the_expert_on_disk(packed_factory, truth, monkeypatch):
     mgr = manager(packed_factory("mixtral"), every=1)
     cold = next(k for k, r in mgr.table.items() if r.home is Home.NVME)
