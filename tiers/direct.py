@@ -16,7 +16,7 @@ its expert ids. Nothing syncs, so the host queues the next layers while the GPU 
 
 A layer qualifies when each of its experts is hot or warm (none on disk: the GPU cannot read a
 file) in a precision ``quant.direct`` decodes, its experts are small (transfer form at most
-``STACK_BYTES``: the SMs read pinned memory at 47-50 GB/s against the copy engine's 53-55, so
+``STACK_BYTES``: the SMs read pinned memory at 46-51 GB/s against the copy engine's 53-55, so
 large experts, whose copies outlast the host's work anyway, keep the copy engine), and no
 routing trace is being recorded. With the rebalancer on, direct calls count their picks per
 expert on the device; the rebalancer takes those counts (one sync) when an interval closes,
