@@ -2,9 +2,10 @@
 
 Grid: (picks, blocks): program (j, b) decodes block ``b`` of pick ``j``'s expert, the blocks of
 the expert's tensors one after another; programs of resident picks only look the pick up.
-Program (j, 0) also writes ``ids[j]`` and counts the pick (and its expert, with ``usage``). Measured on an H200 (PCIe 5 x16),
-reading INT8 experts of Qwen3-30B-A3B shapes this way moves 46-47 GB/s for 4 experts and 50 GB/s
-for 32 against 55 GB/s for one large copy-engine copy (``bench/zero_copy_probe.py``).
+Program (j, 0) also writes ``ids[j]`` and counts the pick (and its expert, with ``usage``).
+Measured on an H200 (PCIe 5 x16), reading INT8 experts of Qwen3-30B-A3B shapes this way moves
+46-47 GB/s for 4 experts and 50 GB/s for 32, against 55 GB/s for one large copy-engine copy
+(``bench/zero_copy_probe.py``).
 """
 from __future__ import annotations
 

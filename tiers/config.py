@@ -49,8 +49,8 @@ class GpuTier:
 class CpuTier:
     size: TierSize = TierSize(fraction=0.5)
     precision: str = "int8"
-    # generate's decode steps read warm experts straight from this pool on the GPU (CUDA with
-    # Triton; see tiers.direct); false: every step stages its misses through the copy stream
+    # the GPU decodes small experts straight out of this pool (CUDA with Triton; see tiers.direct):
+    # direct decode and direct stacks; false: every miss is copied up, then dequantized
     direct_reads: bool = True
 
 

@@ -531,7 +531,8 @@ class TierManager(Prefetcher, DirectDecoder):
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the
-        dequant stream, after the copies land; one ready event for all of them."""
+        dequant stream, after the copies land; one ready event for all of them. A direct stack is
+        one ``fetch_stack`` launch on the copy stream instead."""
         pool, k = g.pool, len(g.slots)
         t0 = self.clock()
         if g.starts is not None:
