@@ -282,3 +282,71 @@ def test_a_direct_stack_reads_after_the_slots_last_reads_and_before_its_ready_ev
         mgr.wait_all(held)
         mgr.release_all(held)
     assert checked > 10
+
+
+# -- property test: slot ownership while decode stages come and go -----------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_OPS = st.lists(st.tuples(st.sampled_from(["begin", "end", "direct", "acquire", "prefetch"]),
+                          st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True)),
+                min_size=1, max_size=30)
+
+
+@pytest.fixture(scope="module")
+def direct_manager(packed_factory):
+    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "int8"},
+                     "nvme": {"precision": "int8"}}}
+    packed = packed_factory("qwen3_moe")
+    mgr = manager_of(tiers.load(packed, cfg, device="cpu", progress=False))
+    mgr.direct_decode = mgr.direct_reads = True  # the torch reference on the CPU
+    return mgr, packed
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_OPS)
+def test_decode_stages_keep_slot_ownership(direct_manager, ops):
+    """Random decode stages, direct calls, host-routed calls and prefetches: while a stage runs its
+    reserved slots are held once, empty of owners, never handed to the host-routed path or the
+    prefetcher; each direct call leaves every missed pick's reserved slot holding exactly its
+    decoded blob and every hit pointing at its hot slot; after a stage nothing is held."""
+    from test_integrity import decoded
+
+    mgr, packed = direct_manager
+    for op, layer, experts in ops:
+        if op == "begin":
+            mgr.begin_decode()
+        elif op == "end":
+            mgr.end_decode()
+        elif op == "direct":
+            if not mgr.direct_ready(layer, len(experts)):
+                assert not mgr._reserved
+                continue
+            idx = torch.tensor([experts])
+            ids = mgr.fetch_direct(layer, idx)[0].tolist()
+            reserved = mgr._reserved[id(mgr.pool_of[layer])].slots
+            pool = mgr.pool_of[layer]
+            for j, (e, slot) in enumerate(zip(experts, ids)):
+                r = mgr.table[ExpertKey(layer, e)]
+                if r.pinned:
+                    assert slot == r.slot
+                else:
+                    assert slot == reserved[j]
+                    want = decoded(packed, ExpertKey(layer, e), "int8")
+                    assert all(torch.equal(pool.tensors(slot)[n], want[n]) for n in want)
+        elif op == "acquire":
+            held = mgr.acquire_layer(layer, sorted(experts))
+            if held is not None:
+                reserved = {(id(p), s) for pid, r in mgr._reserved.items() for p in mgr.pools if id(p) == pid for s in r.slots}
+                assert not any((id(h.pool), h.slot) in reserved for h in held), "a host-routed call got a reserved slot"
+                mgr.wait_all(held)
+                mgr.release_all(held)
+        else:
+            mgr.prefetch(layer, experts)
+        for pool in mgr.pools:
+            r = mgr._reserved.get(id(pool))
+            for s in (r.slots if r else []):
+                assert pool.readers[s] == 1 and pool.owner[s] is None
+    mgr.end_decode()
+    mgr.drain()
+    assert all(n == 0 for p in mgr.pools for n in p.readers)
