@@ -116,6 +116,7 @@ class DirectDecoder:
         self.map_copied[i] = done
         ready = self.streams.event(timing=self.timing)
         ready.record(self.copy_stream)
+        self.stats_.direct_stacks += 1
         return ready
 
     def _direct_qualifies(self, layer: int) -> bool:
@@ -237,6 +238,7 @@ class DirectDecoder:
             start = self.streams.event(timing=True)
             start.record(self.streams.current())
         direct.fetch(self.host.slab, d.starts, d.resident, flat, dst, ids, d.counts, d.tensors, d.usage)
+        self.stats_.direct_calls += 1
         if start is not None:
             end = self.streams.event(timing=True)
             end.record(self.streams.current())

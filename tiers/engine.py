@@ -817,6 +817,7 @@ class TierManager(Prefetcher, DirectDecoder):
             stall_seconds=self.stats_.stall_seconds,
             gpu_slots={"hot": hot, "staging": staging, "cached": cached},
             prefetch=self.stats_.prefetch_report(),
+            direct={"on": int(self.direct_reads or self.direct_decode), "decode_calls": self.stats_.direct_calls, "stacks": self.stats_.direct_stacks},
             memory=memory,
             device=str(self.device),
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},

@@ -28,6 +28,7 @@ class TierStats:
     device: str
     prefetch: dict[str, float] = field(default_factory=dict)
     rebalance: dict[str, int] = field(default_factory=dict)
+    direct: dict[str, int] = field(default_factory=dict)  # on (0/1), decode_calls, stacks: the direct-read paths taken
 
     @property
     def h2d_gbps(self) -> float:
@@ -48,6 +49,7 @@ class TierStats:
             "memory": dict(self.memory),
             "prefetch": dict(self.prefetch),
             "rebalance": dict(self.rebalance),
+            "direct": dict(self.direct),
         }
 
     def __str__(self) -> str:
@@ -81,6 +83,9 @@ class TierStats:
                 f"prefetch: {p['issued']} staged ahead, {p['used']} used, accuracy {p['accuracy']:.1%}, "
                 f"{p['wasted_bytes'] / mib:.1f} MiB wasted"
             )
+        if self.direct.get("decode_calls") or self.direct.get("stacks"):
+            lines.append(f"direct reads: {self.direct['decode_calls']} decode layer calls, {self.direct['stacks']} stacks "
+                         "decoded by the GPU straight from pinned memory")
         if self.rebalance:
             r = self.rebalance
             lines.append(
@@ -107,6 +112,8 @@ class StatsCollector:
     prefetch_used_total: int = 0
     async_reads: int = 0  # cold blobs read on reader threads
     async_read_errors: int = 0  # read-aheads that failed (the demand read raises)
+    direct_calls: int = 0  # decode layer calls served by direct decode
+    direct_stacks: int = 0  # direct stacks launched
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def lookup(self, served_by: str) -> None:
@@ -149,6 +156,7 @@ class StatsCollector:
         self.prefetch_issued = self.prefetch_used = self.prefetch_bytes = 0
         self.prefetch_wasted_bytes = self.prefetch_correct = self.prefetch_used_total = 0
         self.async_reads = self.async_read_errors = 0
+        self.direct_calls = self.direct_stacks = 0
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = dict.fromkeys(TIERS, 0)
         self.bytes_moved = {"cpu": 0, "nvme": 0}

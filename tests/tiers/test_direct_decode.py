@@ -57,6 +57,8 @@ def test_direct_decode_matches_untiered_decode(model_type, device, checkpoint_fa
     assert torch.equal(a.sequences, b.sequences)
     assert_decode_logits(a, b, device)
     s = mgr.stats()
+    assert s.direct["decode_calls"] == layers * steps
+    assert "direct reads: %d decode layer calls" % (layers * steps) in str(s) and s.as_dict()["direct"] == s.direct
     lookups = sum(s.hits.values())
     prefill_lookups = lookups - layers * steps * 4
     assert s.hits["cpu"] > 0 and prefill_lookups > 0
@@ -231,6 +233,7 @@ def test_direct_stacks_serve_the_decoded_blob(device, packed_factory):
                 checked += 1
         mgr.release_all(held)
     assert checked > 30 and not copies
+    assert mgr.stats().direct["stacks"] > 0
     assert all(r == 0 for p in mgr.pools for r in p.readers)
 
 
