@@ -12,6 +12,11 @@ the experts, no pinned set). This asks what the remaining gap is made of, on the
 - ``forecast`` and variants of its victim rule, each from the same per-expert moving averages:
   ``min_p`` (the least likely to be used at its layer's next call), ``p_over_d`` (that chance per
   layer call of distance), and the shipped rule with other moving-average rates.
+- ``true_p`` and ``true_p_over_d``: the same two rules given the trace model's own per-expert
+  chances of use at the next call, apart for an expert its layer used at its last call and one
+  it did not (the model is a Markov chain in that state), measured on 8192 later tokens of the
+  same model: what prediction from the past could reach on this trace at best with these rules.
+- ``learned_p``: those chances counted online from the trace so far (per expert, with a prior).
 
 Device-independent: replays count hits, they time nothing.
 """
@@ -23,7 +28,10 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 from tiers.cache import ForecastSlots, belady_hits, replay  # noqa: E402
 from tiers.trace import TraceModel, lookups  # noqa: E402
@@ -73,6 +81,70 @@ class RuleSlots(ForecastSlots):
         return max(free, key=score, default=None)
 
 
+class TransitionSlots(ForecastSlots):
+    """Evict the least likely to be used at its layer's next call (``over_d``: per layer call of
+    distance), that chance given apart for experts the layer used at its last call (``a``) and the
+    rest (``b``): fixed tables ``[layer][expert]``, or (None) counted online, with priors."""
+
+    def __init__(self, slots, layers, experts: int, a=None, b=None, over_d: bool = False):
+        super().__init__(slots, layers)
+        self.experts, self.table, self.over_d = experts, (a, b), over_d
+        self.prev: dict[int, set] = {}  # layer -> experts of its last call
+        self.seen: dict[int, int] = {}  # layer -> transitions counted
+        self.na, self.ha, self.hb = Counter(), Counter(), Counter()  # (layer, expert) -> counts
+        self.kept, self.kept_of = Counter(), Counter()  # layer -> reuses, chances to reuse
+
+    def visit(self, layer, keys=()) -> None:
+        keys = list(keys)
+        cur, prev = {k.expert for k in keys}, self.prev.get(layer)
+        if prev is not None:
+            self.seen[layer] = self.seen.get(layer, 0) + 1
+            for x in prev:
+                self.na[(layer, x)] += 1
+                self.kept_of[layer] += 1
+                if x in cur:
+                    self.ha[(layer, x)] += 1
+                    self.kept[layer] += 1
+            for x in cur - prev:
+                self.hb[(layer, x)] += 1
+        self.prev[layer] = cur
+        super().visit(layer, keys)
+
+    def chance(self, layer: int, x: int) -> float:
+        used = x in self.prev.get(layer, ())
+        a, b = self.table
+        if a is not None:
+            return (a if used else b)[self.position[layer]][x]
+        if used:  # few samples per expert: pull towards the layer's reuse rate
+            reuse = (self.kept[layer] + 1) / (self.kept_of[layer] + 2)
+            return (self.ha[(layer, x)] + 4 * reuse) / (self.na[(layer, x)] + 4)
+        k = len(self.prev.get(layer, ())) or 1
+        return (self.hb[(layer, x)] + 2 * k / self.experts) / (self.seen.get(layer, 0) - self.na[(layer, x)] + 2)
+
+    def _choose(self, readers) -> int | None:
+        n, here = len(self.position), self.position[self.current]
+
+        def score(s: int) -> float:  # larger: evicted first
+            key = self._owner[s]
+            if key in self.in_call:
+                return float("-inf")
+            p = self.chance(key.layer, key.expert)
+            return -p / (((self.position[key.layer] - here) % n) or n) if self.over_d else -p
+
+        return max((s for s in self._order if readers[s] == 0), key=score, default=None)
+
+
+def transition_tables(model: TraceModel, tokens: int) -> tuple[list, list]:
+    """Per layer and expert: P(used at the next call | used at this one), and | not used, from
+    ``tokens`` tokens sampled after the ones replayed (the chain is stationary there)."""
+    trace = model.sample(tokens)[-(tokens // 2):]  # [T, L, k], the later half
+    used = torch.zeros(trace.shape[0], model.num_layers, model.num_experts, dtype=torch.bool).scatter_(2, trace, True)
+    prev, nxt = used[:-1], used[1:]
+    a = (prev & nxt).sum(0).double() / prev.sum(0).clamp_min(1).double()
+    b = (~prev & nxt).sum(0).double() / (~prev).sum(0).clamp_min(1).double()
+    return a.tolist(), b.tolist()
+
+
 def next_uses(seq: list) -> list[int]:
     out, last = [len(seq)] * len(seq), {}
     for i in range(len(seq) - 1, -1, -1):
@@ -84,7 +156,9 @@ def next_uses(seq: list) -> list[int]:
 def measure(model: str, tokens: int = 256, seed: int = 0) -> dict:
     layers_n, experts, k = COUNTS[model]
     layers = list(range(layers_n))
-    seq = lookups(TraceModel(layers_n, experts, k, zipf_s=1.2, reuse_p=0.5, seed=seed).sample(tokens), layers)
+    trace_model = TraceModel(layers_n, experts, k, zipf_s=1.2, reuse_p=0.5, seed=seed)
+    seq = lookups(trace_model.sample(tokens), layers)
+    a, b = transition_tables(trace_model, 16384)
     cap = max(1, int(0.25 * layers_n * experts))
     belady = belady_hits(seq, cap, set())
     policies = {
@@ -92,6 +166,9 @@ def measure(model: str, tokens: int = 256, seed: int = 0) -> dict:
         "forecast": lambda s: ForecastSlots(s, layers),
         "min_p": lambda s: RuleSlots(s, layers, "min_p"),
         "p_over_d": lambda s: RuleSlots(s, layers, "p_over_d"),
+        "true_p": lambda s: TransitionSlots(s, layers, experts, a, b),
+        "true_p_over_d": lambda s: TransitionSlots(s, layers, experts, a, b, over_d=True),
+        "learned_p": lambda s: TransitionSlots(s, layers, experts),
     }
     for fast, slow in ((0.5, 0.02), (0.7, 0.02), (0.9, 0.01), (0.9, 0.05)):
         policies[f"forecast_fast{fast}_slow{slow}"] = lambda s, f=fast, w=slow: ForecastSlots(s, layers, fast=f, slow=w)
