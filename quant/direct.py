@@ -22,7 +22,8 @@ from functools import lru_cache
 
 import torch
 
-PRECISIONS = ("bf16", "int8")
+# precision -> (the field holding the encoded data, the field of per-row scales or None)
+FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class DirectTensor:
 
 
 def supported(precision: str) -> bool:
-    return precision in PRECISIONS
+    return precision in FIELDS
 
 
 @lru_cache(maxsize=1)

@@ -90,10 +90,9 @@ class DirectDecoder:
         if key not in self._direct_tensors:
             tensors = None
             if direct.supported(blob.precision) and blob.nbytes <= self.STACK_BYTES:
-                fields = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
-                lossless = blob.precision == "bf16"
-                tensors = tuple(direct.DirectTensor(pool.slabs[name], fields[(name, "data" if lossless else "qdata")],
-                                                    None if lossless else fields[(name, "scale")])
+                offset = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
+                data, scale = direct.FIELDS[blob.precision]
+                tensors = tuple(direct.DirectTensor(pool.slabs[name], offset[(name, data)], scale and offset[(name, scale)])
                                 for name, _ in blob.shapes)
             self._direct_tensors[key] = tensors
         return self._direct_tensors[key]
@@ -103,17 +102,11 @@ class DirectDecoder:
         stream, which the slots' last reads were ordered before; returns the ready event. The
         offsets and slots go through a pinned ring buffer the kernel reads in place."""
         k = len(slots)
-        i = self._ring_buffer()
-        arr = self._arrays_of[torch.int64][i]
-        arr[:k] = starts
-        arr[k : 2 * k] = slots
-        buf = self._maps_of[torch.int64][i]
+        buf, i = self._pinned_ints(starts + slots, torch.int64)
         with self.streams.use(self.copy_stream):
-            direct.fetch(self.host.slab, buf[:k], self._stack_resident, self._stack_picks[:k], buf[k : 2 * k],
+            direct.fetch(self.host.slab, buf[:k], self._stack_resident, self._stack_picks[:k], buf[k:],
                          self._stack_ids[:k], self._stack_counts, self.direct_tensors(pool, blob))
-        done = self._map_events[i]
-        done.record(self.copy_stream)
-        self.map_copied[i] = done
+        self._read_by(i, self.copy_stream)
         ready = self.streams.event(timing=self.timing)
         ready.record(self.copy_stream)
         self.stats_.direct_stacks += 1

@@ -605,10 +605,21 @@ class TierManager(Prefetcher, DirectDecoder):
 
     def upload_ints(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as an int32 (or int64) tensor on the device, through the pinned ring (no host sync)."""
+        return self._upload(*self._pinned_ints(values, dtype))
+
+    def _pinned_ints(self, values: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """``values`` in the next pinned buffer of the ring: that buffer's view, and its index (the
+        caller records who reads it with ``_read_by``)."""
         i = self._ring_buffer()
         n = len(values)
         self._arrays_of[dtype][i][:n] = values
-        return self._upload(self._maps_of[dtype][i][:n], i)
+        return self._maps_of[dtype][i][:n], i
+
+    def _read_by(self, i: int, stream: Any) -> None:
+        """The pinned buffer ``i`` is read by what is queued on ``stream`` so far: it is refilled after that."""
+        done = self._map_events[i]
+        done.record(stream)
+        self.map_copied[i] = done
 
     def _ring_buffer(self) -> int:
         """The next pinned buffer of the ring, once the copy that last read it has run."""
@@ -624,9 +635,7 @@ class TierManager(Prefetcher, DirectDecoder):
         dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         self._check_pinned(host)
         dev.copy_(host, non_blocking=True)
-        done = self._map_events[i]
-        done.record(self.streams.current())
-        self.map_copied[i] = done
+        self._read_by(i, self.streams.current())
         return dev
 
     def _check_pinned(self, src: torch.Tensor) -> None:

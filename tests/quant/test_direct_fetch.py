@@ -11,7 +11,7 @@ import torch
 
 import quant
 from quant import QuantizedTensor
-from quant.direct import DirectTensor, fetch, fetch_reference
+from quant.direct import FIELDS, DirectTensor, fetch, fetch_reference
 
 from conftest import devices
 
@@ -55,8 +55,8 @@ def test_fetch_decodes_misses_exactly_into_their_slots(precision, shapes, device
         buf = buf.pin_memory()  # the kernel reads page-locked host memory over PCIe
     scheme = quant.get_scheme(precision)
     slabs = [torch.full((n_slots, *s), SENTINEL, dtype=torch.bfloat16, device=device) for s in shapes]
-    tensors = tuple(DirectTensor(slab, f["qdata" if precision == "int8" else "data"], f.get("scale"))
-                    for slab, f in zip(slabs, offsets))
+    data, scale = FIELDS[precision]
+    tensors = tuple(DirectTensor(slab, f[data], f.get(scale)) for slab, f in zip(slabs, offsets))
     resident = torch.tensor([-1, 0, -1, 1, -1, -1], dtype=torch.int32, device=device)  # experts 1, 3 are resident
     picks = torch.tensor([4, 1, 0, 3, 2], dtype=torch.int64, device=device)
     dst = torch.tensor([5, 6, 7, 8, 9], dtype=torch.int32, device=device)
@@ -95,7 +95,8 @@ def test_kernel_matches_reference_bit_for_bit(precision):
     outs = {}
     for where in ("cpu", "cuda"):
         slabs = [torch.full((32, *s), SENTINEL, dtype=torch.bfloat16, device=where) for s in shapes]
-        tensors = tuple(DirectTensor(slab, f["qdata" if precision == "int8" else "data"], f.get("scale")) for slab, f in zip(slabs, offsets))
+        data, scale = FIELDS[precision]
+        tensors = tuple(DirectTensor(slab, f[data], f.get(scale)) for slab, f in zip(slabs, offsets))
         ids = torch.empty(24, dtype=torch.int64, device=where)
         counts = torch.zeros(2, dtype=torch.int64, device=where)
         run = fetch if where == "cuda" else fetch_reference
