@@ -11,7 +11,7 @@ grouped kernels), so the tables show host time per step next to the device kerne
 
 Writes, per arm, ``profile-<model>-<arm>.txt`` (tables sorted by host and by device time, plus a
 summary: wall time, device busy time per stream kind, blocking host calls), and a JSON summary of
-all arms. ``--trace ARM`` also writes that arm's decode chrome trace (gzipped).
+all arms. ``--trace ARM`` also writes that arm's decode and prefill chrome traces (gzipped).
 """
 import os
 import sys
@@ -51,7 +51,10 @@ def wrap_engine() -> None:
 
     for attr in ("acquire_layer", "_stage", "_dequantize", "_close", "_fetch", "slot_map", "wait_all", "release_all", "begin_call", "pump", "count_static"):
         named(engine.TierManager, attr, f"tiers.{attr}")
-    named(integration, "_route", "tiers._route")
+    for attr in ("_stage_direct", "_stage_copy", "fetch_stack"):
+        named(engine.TierManager, attr, f"tiers.{attr}")
+    for attr in ("_route", "_grouped_in_parts", "_sorted_by_slot", "_run_windows", "_chunks"):
+        named(integration, attr, f"tiers.{attr}")
     named(integration, "grouped_mm_experts_forward", "tiers.grouped_mm")
 
 
@@ -111,7 +114,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4)
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--out", default="profile-out")
-    ap.add_argument("--trace", default="", help="comma-separated arms whose decode chrome trace is written")
+    ap.add_argument("--trace", default="", help="comma-separated arms whose decode and prefill chrome traces are written")
+    ap.add_argument("--staging-slots", default="auto", help="the Tiers arms' tiers.gpu.staging_slots")
     ap.add_argument("--workdir")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
     ap.add_argument("--cprofile", action="store_true", help="also cProfile one decode generate: Python time by function")
@@ -159,14 +163,16 @@ def main() -> int:
                      ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)]
             if device.type == "cuda":
                 text += ["### by device time (self)", ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60)]
-            if phase == "decode" and name in traced:
-                raw = work / f"trace-{name}.json"
+            if name in traced:
+                raw = work / f"trace-{name}-{phase}.json"
                 prof.export_chrome_trace(str(raw))
-                with open(raw, "rb") as f, gzip.open(out / f"trace-{args.model}-{name}.json.gz", "wb") as z:
+                with open(raw, "rb") as f, gzip.open(out / f"trace-{args.model}-{name}-{phase}.json.gz", "wb") as z:
                     shutil.copyfileobj(f, z)
         if args.cprofile:
             text += ["\n## decode under cProfile (Python functions; cProfile's own cost inflates small ones)\n"]
             text += python_profile(lambda: m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw), device)
+            text += ["\n## prefill under cProfile\n"]
+            text += python_profile(lambda: m(ids), device)
         (out / f"profile-{args.model}-{name}.txt").write_text("\n".join(text) + "\n")
         summary["arms"][name] = row
         print(name, json.dumps(row), flush=True)
@@ -181,7 +187,8 @@ def main() -> int:
     shutil.rmtree(work / "hf", ignore_errors=True)
     for name in [a for a in arms if a.startswith("tiers_")]:
         _, pct, precision = name.split("_")
-        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100}, "cpu": {"budget": expert_bytes, "precision": precision},
+        slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
+        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100, "staging_slots": slots}, "cpu": {"budget": expert_bytes, "precision": precision},
                          "nvme": {"precision": precision}}}
         m = tiers.load(work / "packed", cfg, device=device, progress=False)
         one(name, m)

@@ -40,6 +40,7 @@ from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
 from tiers.direct import DirectDecoder
+from tiers.streamed import StreamedCalls
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
 from tiers.cache import LruSlots, make_cache
@@ -142,7 +143,7 @@ class _Batch:
     last: Any = None  # the latest ready event issued
 
 
-class TierManager(Prefetcher, DirectDecoder):
+class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
     MAPS = 16  # pinned index buffers in the ring (slot maps, host-routed decode indices)
     LOAD_THREADS = 8  # reader threads at load time (pread and the first read's CRC32 release the GIL)
     HOST_ROUTED_ROWS = 64  # a layer call with at most this many (token, pick) rows brings its picks to the host
@@ -298,6 +299,8 @@ class TierManager(Prefetcher, DirectDecoder):
             Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
         )
         self._init_direct(cfg.cpu.direct_reads)
+        self.streamed_calls = True  # long calls of warm misses stream part by part (tiers.streamed)
+        self.stream_direct = False  # ... through the copy engine, not direct stacks
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
@@ -467,20 +470,26 @@ class TierManager(Prefetcher, DirectDecoder):
             self._close(b)
             b = self._batch = _Batch()
         b.staged.add((id(pool), slot))
+        pool.begin_write(slot, key, self.copy_stream, waited=b.waited)
+        self._queue_read(b, key, pool, slot, precision, source, src)
+        return None
+
+    def _queue_read(self, b: _Batch, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor,
+                    direct: bool = True) -> None:
+        """Queue the read of ``key``'s blob (``src``, pinned) into ``slot`` within batch ``b``: a
+        direct stack's entry (``direct`` and the pool's direct reads allow it), or a copy (and a
+        dequantization when lossy). The caller has ordered the copy stream after the slot's last read."""
         t0 = self.clock()
         blob = self.manifest.blob(key, precision)
-        scheme = quant.get_scheme(precision)
-        pool.begin_write(slot, key, self.copy_stream, waited=b.waited)
-        if self.direct_reads and self.direct_tensors(pool, blob) is not None:
+        if direct and self.direct_reads and self.direct_tensors(pool, blob) is not None:
             self._stage_direct(b, pool, slot, blob, src)
         else:
-            self._stage_copy(b, pool, slot, blob, scheme, src)
+            self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
         if source == "nvme":
             b.rings.append((id(pool), slot))
         self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()
         if not self.timing:  # on the CPU copies run as they are queued: time them on the clock
             self.stats_.stage_seconds += self.clock() - t0
-        return None
 
     def _stage_direct(self, b: _Batch, pool: SlotPool, slot: int, blob: Any, src: torch.Tensor) -> None:
         """Join the pool's open direct stack (the GPU will read ``src`` in place, on the copy
@@ -661,15 +670,21 @@ class TierManager(Prefetcher, DirectDecoder):
         """Make the compute stream wait for every held expert's pending copy, right before the first
         kernel that reads them. Per stream one wait suffices, on the latest of those ready events:
         a stream runs in order, so it also covers the earlier ones."""
-        latest: dict[int, tuple[int, Any]] = {}
+        pending = []
         for h in held:
-            pending = h.pool.take_ready(h.slot)
-            if pending is None:
-                continue
-            ev, stream, order = pending
+            p = h.pool.take_ready(h.slot)
+            if p is not None:
+                pending.append(p)
+                self.table.apply(h.key, Op.READY)
+        self._wait_latest(pending)
+
+    def _wait_latest(self, pending: list[tuple[Any, Any, int]]) -> None:
+        """Order the compute stream after pending writes, (event, stream, record order) each: one
+        wait per stream, on the latest of its events."""
+        latest: dict[int, tuple[int, Any]] = {}
+        for ev, stream, order in pending:
             if id(stream) not in latest or order > latest[id(stream)][0]:
                 latest[id(stream)] = (order, ev)
-            self.table.apply(h.key, Op.READY)
         if not latest:
             return
         compute = self.streams.current()
@@ -827,6 +842,7 @@ class TierManager(Prefetcher, DirectDecoder):
             gpu_slots={"hot": hot, "staging": staging, "cached": cached},
             prefetch=self.stats_.prefetch_report(),
             direct={"on": int(self.direct_reads or self.direct_decode), "decode_calls": self.stats_.direct_calls, "stacks": self.stats_.direct_stacks},
+            streamed={"calls": self.stats_.streamed_calls, "parts": self.stats_.streamed_parts},
             memory=memory,
             device=str(self.device),
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},

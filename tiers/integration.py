@@ -105,13 +105,14 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     return hit, counts, picks
 
 
-def _prefetch(binding: LayerBinding) -> None:
-    """Stage what was predicted for the next layers; called while this layer's experts are held."""
+def _prefetch(binding: LayerBinding, limit: int | None = None) -> None:
+    """Stage what was predicted for the next layers (at most ``limit`` experts each); called while
+    this layer's experts are held, or after a streamed call gave its slots back."""
     mgr = binding.manager
     for layer, _ in binding.lookahead:
         predicted = mgr.predicted.get(layer)
         if predicted and layer not in mgr.static_maps:
-            mgr.prefetch(layer, sorted(predicted))
+            mgr.prefetch(layer, sorted(predicted), limit)
 
 
 def tiers_experts_forward(
@@ -214,7 +215,12 @@ def tiers_grouped_experts_forward(
         return torch.zeros_like(hidden_states)
     pool = mgr.pool_of[binding.layer]
     need = sum(not mgr.table[ExpertKey(binding.layer, e)].pinned for e in hit)
-    held = mgr.acquire_layer(binding.layer, hit) if need <= pool.n_slots - mgr.hot_count[id(pool)] else None
+    staging = pool.n_slots - mgr.hot_count[id(pool)]
+    if picks is None and need > staging // 2:
+        out = _grouped_streamed(self, binding, hidden_states, top_k_index, top_k_weights, counts, hit)
+        if out is not None:
+            return out
+    held = mgr.acquire_layer(binding.layer, hit) if need <= staging else None
     if held is None:
         return _grouped_in_parts(self, binding, hidden_states, top_k_index, top_k_weights, counts, _chunks(mgr, binding.layer, hit))
     _prefetch(binding)
@@ -332,6 +338,68 @@ def _grouped_device_routed(proxy: _SlotExperts, mgr: TierManager, layer: int, he
     y = y * top_k_weights.reshape(-1)[rows].unsqueeze(-1)
     out = torch.zeros(order.shape[0], y.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, rows, y)  # [T*k, H]
     return out.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+
+STREAM_KEY_END = 2**31 - 1  # the sort key of rows no part serves (the sentinel expert, unrouted ids)
+
+
+def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], hit: list[int]) -> torch.Tensor | None:
+    """A long call streamed through reserved slots (``tiers.streamed``), or None if it does not
+    qualify. Every (token, pick) row gets the sort key ``part * n_slots + slot`` (part 0: the
+    experts resident now; then the parts of misses), uploaded once as a map expert -> key, so one
+    sort on the device orders the rows for every part; each part's row range and windows come
+    from the host-side counts. Part ``p + 1``'s reads are queued before part ``p``'s kernels."""
+    mgr = binding.manager
+    s = mgr.begin_stream(binding.layer, hit)
+    if s is None:
+        return None
+    try:
+        n_slots, k = s.pool.n_slots, top_k_index.shape[-1]
+        key_of = [STREAM_KEY_END] * (self.num_experts + 1)
+        groups = [[(h.slot, counts[h.key.expert]) for h in s.held]]
+        for h in s.held:
+            key_of[h.key.expert] = h.slot
+        for p, part in enumerate(s.parts):
+            slots = s.slots(p)
+            groups.append([(slot, counts[e]) for e, slot in zip(part, slots)])
+            for e, slot in zip(part, slots):
+                key_of[e] = (p + 1) * n_slots + slot
+        keys = mgr.upload_ints(key_of)[top_k_index.reshape(-1)]  # [T*k]
+        sorted_keys, order = torch.sort(keys, stable=True)
+        routed = sum(counts[e] for e in hit)
+        order = order[:routed]  # rows by (part, slot)
+        xs = hidden_states[order // k]  # [routed, H]
+        slot_ids = sorted_keys[:routed] % n_slots if self.has_bias else None  # [routed], for biases
+        proxy = _proxy(self, s.pool.slabs, n_slots)
+        outs, row = [], 0
+
+        def run(slot_rows: list[tuple[int, int]]) -> None:
+            nonlocal row
+            windows = _windows(sorted((slot, n) for slot, n in slot_rows if n))
+            if not windows:
+                return
+            n = windows[-1]["b"]
+            offsets = mgr.upload_ints([o for w in windows for o in w["offs"]])
+            outs.append(_run_windows(proxy, xs[row : row + n], windows, offsets, None if slot_ids is None else slot_ids[row : row + n]))
+            row += n
+
+        mgr.stream_part(s, 0)
+        mgr.wait_all(s.held)
+        run(groups[0])
+        for p in range(len(s.parts)):
+            if p + 1 < len(s.parts):
+                mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
+            mgr.wait_part(s, p)
+            run(groups[p + 1])
+            mgr.end_part(s, p)
+        y = (outs[0] if len(outs) == 1 else torch.cat(outs)) * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [routed, H]
+        out = torch.zeros(top_k_index.numel(), y.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, order, y)  # [T*k, H]
+        return out.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+    finally:
+        mgr.end_stream(s)
+        # into half the slots just given back, behind this call's kernels: a long next call finds
+        # those resident and streams its other misses through the other half
+        _prefetch(binding, limit=(s.pool.n_slots - mgr.hot_count[id(s.pool)]) // 2)
 
 
 def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], chunks: list[list[int]]) -> torch.Tensor:

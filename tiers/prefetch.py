@@ -18,13 +18,14 @@ from tiers.slots import SlotPool
 class Prefetcher:
     """Mixed into ``TierManager``: uses its table, pools, caches, disk, host ring and ``_stage``."""
 
-    def prefetch(self, layer: int, experts: list[int]) -> int:
+    def prefetch(self, layer: int, experts: list[int], limit: int | None = None) -> int:
         """Stage predicted experts of a later layer into staging slots nobody holds, without holding
         them: a later lookup finds them resident (or still loading, and waits on their event).
-        Stages at most as many as there are unheld staging slots, so it never evicts its own work."""
+        Stages at most as many as there are unheld staging slots (and ``limit``), so it never
+        evicts its own work."""
         pool = self.pool_of[layer]
         lru = self.cache[id(pool)]
-        free = self.unheld_staging(pool)
+        free = self.unheld_staging(pool) if limit is None else min(limit, self.unheld_staging(pool))
         issued = 0
         with self.staging():
             for e in experts:

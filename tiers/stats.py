@@ -29,6 +29,7 @@ class TierStats:
     prefetch: dict[str, float] = field(default_factory=dict)
     rebalance: dict[str, int] = field(default_factory=dict)
     direct: dict[str, int] = field(default_factory=dict)  # on (0/1), decode_calls, stacks: the direct-read paths taken
+    streamed: dict[str, int] = field(default_factory=dict)  # calls, parts: long calls read part by part into reserved slots
 
     @property
     def h2d_gbps(self) -> float:
@@ -50,6 +51,7 @@ class TierStats:
             "prefetch": dict(self.prefetch),
             "rebalance": dict(self.rebalance),
             "direct": dict(self.direct),
+            "streamed": dict(self.streamed),
         }
 
     def __str__(self) -> str:
@@ -86,6 +88,8 @@ class TierStats:
         if self.direct.get("decode_calls") or self.direct.get("stacks"):
             lines.append(f"direct reads: {self.direct['decode_calls']} decode layer calls, {self.direct['stacks']} stacks "
                          "decoded by the GPU straight from pinned memory")
+        if self.streamed.get("calls"):
+            lines.append(f"streamed: {self.streamed['calls']} long layer calls read in {self.streamed['parts']} parts into reserved slots")
         if self.rebalance:
             r = self.rebalance
             lines.append(
@@ -114,6 +118,8 @@ class StatsCollector:
     async_read_errors: int = 0  # read-aheads that failed (the demand read raises)
     direct_calls: int = 0  # decode layer calls served by direct decode
     direct_stacks: int = 0  # direct stacks launched
+    streamed_calls: int = 0  # layer calls streamed part by part (tiers.streamed)
+    streamed_parts: int = 0  # their parts of misses
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def lookup(self, served_by: str) -> None:
@@ -157,6 +163,7 @@ class StatsCollector:
         self.prefetch_wasted_bytes = self.prefetch_correct = self.prefetch_used_total = 0
         self.async_reads = self.async_read_errors = 0
         self.direct_calls = self.direct_stacks = 0
+        self.streamed_calls = self.streamed_parts = 0
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = dict.fromkeys(TIERS, 0)
         self.bytes_moved = {"cpu": 0, "nvme": 0}

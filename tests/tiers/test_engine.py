@@ -55,7 +55,7 @@ def test_cached_staging_slot_is_a_gpu_hit(packed_factory):
 
 
 # -- the copy pipeline, observed through recording streams ----------------------------------------
-def _recorded_manager(packed, staging=4, cache="lru", cpu="int8"):
+def _recorded_manager(packed, staging=4, cache="lru", cpu="int8", cpu_share=None):
     from test_slots import Recorder, RecordingStreams
 
     from loader.packed import read_manifest
@@ -65,7 +65,7 @@ def _recorded_manager(packed, staging=4, cache="lru", cpu="int8"):
 
     rec = Recorder()
     streams = RecordingStreams(rec)
-    cfg = load_config({"tiers": {"gpu": {"fraction": 0.4, "staging_slots": staging, "cache": cache}, "cpu": {"fraction": 0.5, "precision": cpu}}})
+    cfg = load_config({"tiers": {"gpu": {"fraction": 0.4, "staging_slots": staging, "cache": cache}, "cpu": (cpu_share or {"fraction": 0.5}) | {"precision": cpu}}})
     manifest = read_manifest(packed)
     mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
     return mgr, rec, streams

@@ -1,0 +1,99 @@
+"""A/B of the prefill paths on loaded models, settings alternated within each repetition.
+
+    python bench/prefill_ab.py [--model qwen3_moe] [--layers 6] [--reps 3] [--configs int8:auto:0,bf16:auto:1]
+                               [--fraction 0.25] --out results.json
+
+For each config (cpu-tier precision : staging slots : prefetch depth), Tiers at a GPU budget of
+``--fraction`` of the expert bytes with every other expert warm, one forward of 2048 tokens
+timed with: streamed (long calls read part by part into reserved slots by the copy engine,
+``tiers.streamed``), streamed_direct (the same through direct stacks) or parts (the general
+path through the cache); and the untiered all-GPU model in the same repetition. Reports the
+bound max(all-GPU prefill, moved bytes / 55 GB/s), each setting's ratio to it (medians), and
+the config's decode ms/token (streamed setting).
+"""
+import os
+import sys
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+H2D_BYTES_PER_S = 55e9
+SETTINGS = {"streamed": (True, False), "streamed_direct": (True, True), "parts": (False, False)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3_moe")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--configs", default="int8:auto:0,bf16:auto:0", help="comma-separated precision:staging_slots:prefetch_depth")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    import tiers
+    from loader.pack import pack
+    from tiers.integration import manager_of
+    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, prefill_seconds
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    work = Path(tempfile.mkdtemp(prefix="tiers-prefill-ab-"))
+    shape = dict((SHAPES if cuda else TINY)[args.model], layers=args.layers)
+    plain = build(args.model, shape, device)
+    plain.save_pretrained(work / "hf")
+    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
+    ids = torch.randint(0, plain.config.vocab_size, (1, 2048 if cuda else 64), generator=torch.Generator().manual_seed(1)).to(device)
+    prompt = ids[:, :16]
+    prefill_seconds(plain, ids, device, 1)
+    decode_ms_per_token(plain, prompt, 2, device, 1)
+    out = {"command": "python bench/prefill_ab.py " + " ".join(sys.argv[1:]),
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "configs": {}}
+    for spec in args.configs.split(","):
+        precision, staging, depth = spec.split(":")
+        cfg = {"tiers": {"gpu": {"fraction": args.fraction, "staging_slots": staging if staging == "auto" else int(staging),
+                                 "prefetch_depth": int(depth)},
+                         "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
+        m = tiers.load(work / "packed", cfg, device=device, progress=False)
+        mgr = manager_of(m)
+        runs = {k: {"prefill_s": [], "moved_bytes": [], "streamed_parts": []} for k in SETTINGS} | {"all_gpu": {"prefill_s": []}}
+        for name, (streamed, direct) in SETTINGS.items():  # warm-up
+            mgr.streamed_calls, mgr.stream_direct = streamed, direct
+            prefill_seconds(m, ids, device, 1)
+        for _ in range(args.reps):
+            for name, (streamed, direct) in SETTINGS.items():
+                mgr.streamed_calls, mgr.stream_direct = streamed, direct
+                mgr.reset_stats()
+                runs[name]["prefill_s"].append(prefill_seconds(m, ids, device, 1))
+                s = mgr.stats()
+                runs[name]["moved_bytes"].append(sum(s.bytes_moved.values()) / 2)  # prefill_seconds warms up once
+                runs[name]["streamed_parts"].append(s.streamed["parts"] / 2)
+            runs["all_gpu"]["prefill_s"].append(prefill_seconds(plain, ids, device, 1))
+        runs["all_gpu"]["decode_ms"] = [decode_ms_per_token(plain, prompt, 16, device, 1) for _ in range(args.reps)]
+        med = {k: {f: statistics.median(v) for f, v in r.items()} for k, r in runs.items()}
+        gpu = med["all_gpu"]["prefill_s"]
+        for name in SETTINGS:
+            bound = max(gpu, med[name]["moved_bytes"] / H2D_BYTES_PER_S)
+            med[name] |= {"bound_s": bound, "over_bound": med[name]["prefill_s"] / bound}
+        staging_slots = mgr.stats().gpu_slots["staging"]
+        mgr.streamed_calls, mgr.stream_direct = SETTINGS["streamed"]
+        decode = statistics.median(decode_ms_per_token(m, prompt, 16, device, 1) for _ in range(args.reps))
+        out["configs"][spec] = {"config": cfg, "staging_slots": staging_slots, "decode_ms_per_token": decode, "median": med, "runs": runs}
+        print(spec, f"staging {staging_slots}", f"decode {decode:.2f} ms/token", json.dumps({k: {f: round(v, 4) for f, v in r.items()} for k, r in med.items()}), flush=True)
+        mgr.close()
+        del m, mgr
+        if cuda:
+            torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

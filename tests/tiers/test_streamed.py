@@ -1,0 +1,202 @@
+"""Streamed calls: a long layer call whose warm misses outnumber half the free staging slots is
+read part by part into reserved slots (tiers.streamed), its rows sorted once by (part, slot)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiers
+from loader.layout import ExpertKey
+from tiers.integration import find_experts_modules, manager_of
+
+# a quarter of the experts hot, the rest warm; 4 staging slots: parts of 2 misses
+WARM = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
+
+
+def _cfg(precision: str, fraction: float = 0.4) -> dict:
+    return {"tiers": {"gpu": {"fraction": fraction, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": precision},
+                      "nvme": {"precision": precision}}}
+
+
+def _calls(model, tokens: int, seed: int = 3):
+    """Per experts module: random inputs of ``tokens`` tokens, each routed to k distinct experts."""
+    g = torch.Generator().manual_seed(seed)
+    k = model.config.num_experts_per_tok
+    dev = next(model.parameters()).device
+    for layer, (name, mod) in find_experts_modules(model).items():
+        x = torch.randn(tokens, mod.hidden_dim, generator=g).to(dev, torch.bfloat16)  # [T, H]
+        idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:k] for _ in range(tokens)]).to(dev)  # [T, k]
+        w = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(dev, torch.bfloat16)  # [T, k]
+        yield layer, name, mod, x, idx, w
+
+
+def _assert_close(want, got, device, what):
+    if device.type == "cpu":
+        assert torch.equal(want, got), f"{what}: differs"
+    else:  # the kernels may tile a part's rows differently: one bf16 ulp
+        err = (want.float() - got.float()).abs()
+        assert (err <= 2**-7 * want.float().abs() + 1e-6).all(), f"{what}: max error {err.max().item():.3g}"
+
+
+def _assert_consistent(mgr):
+    """Nothing held; every slot's owner is resident there, and every resident expert owns its slot."""
+    assert all(r == 0 for p in mgr.pools for r in p.readers)
+    for pool in mgr.pools:
+        for s, key in enumerate(pool.owner):
+            if key is not None:
+                assert mgr.table[key].slot == s, f"slot {s} owned by {key}, which the table puts in {mgr.table[key].slot}"
+    for key in mgr.manifest.keys:
+        r = mgr.table[key]
+        if r.slot is not None:
+            assert mgr.pool_of[key.layer].owner[r.slot] == key, f"{key} resident in slot {r.slot} it does not own"
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_streamed_calls_match_grouped_mm(model_type, device, checkpoint_factory, packed_factory):
+    """bf16 tiers: each layer call of 64 tokens streams (every expert hot or warm, more misses than
+    half the slots); against transformers' grouped_mm on the same inputs, bit-identical on the CPU."""
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory(model_type), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model = tiers.load(packed_factory(model_type), WARM, device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.reset_stats()
+    staged_layers = 0
+    for layer, name, mod, x, idx, w in _calls(model, 64):
+        staged_layers += layer not in mgr.static_maps
+        with torch.no_grad():
+            want, got = ref.get_submodule(name)(x, idx, w), mod(x, idx, w)
+        _assert_close(want, got, device, f"layer {layer}")
+    s = mgr.stats()
+    assert staged_layers and s.streamed["calls"] == staged_layers, s.streamed
+    assert s.streamed["parts"] > 2 * s.streamed["calls"], "the calls must run in several parts"
+    assert "long layer calls read in" in str(s) and s.as_dict()["streamed"] == s.streamed
+    _assert_consistent(mgr)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_streamed_int8_equals_the_general_path(direct, device, packed_factory):
+    """INT8 tiers, through copies and dequantizations or (``direct``) direct stacks: the streamed
+    call's output equals the general path's (parts staged through the cache) on the same inputs,
+    and its stats count one cpu hit and one blob moved per miss."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("int8"), device=device, progress=False)
+    mgr = manager_of(model)
+    if device.type == "cpu":
+        mgr.direct_reads = True  # the torch reference stands in for the kernel
+    mgr.stream_direct = direct
+    checked = 0
+    for layer, name, mod, x, idx, w in _calls(model, 64, seed=5):
+        if layer in mgr.static_maps:
+            continue
+        misses = [e for e in idx.unique().tolist() if mgr.table[ExpertKey(layer, e)].slot is None]
+        mgr.streamed_calls = False
+        with torch.no_grad():
+            want = mod(x, idx, w)
+        for e in misses:  # leave the misses as they were: not cached by the general path's call
+            r = mgr.table[ExpertKey(layer, e)]
+            if r.slot is not None:
+                mgr.drop_staged(mgr.pool_of[layer], r.slot)
+        mgr.streamed_calls = True
+        mgr.reset_stats()
+        with torch.no_grad():
+            got = mod(x, idx, w)
+        s = mgr.stats()
+        assert s.streamed["calls"] == 1
+        blob = mgr.manifest.layers[layer].blobs["int8"].nbytes
+        assert s.hits["cpu"] == len(misses) and s.bytes_moved["cpu"] == blob * len(misses)
+        assert s.hits["gpu"] == idx.unique().numel() - len(misses)
+        assert (s.direct["stacks"] > 0) == direct
+        _assert_close(want, got, device, f"layer {layer}")
+        checked += 1
+    assert checked
+    _assert_consistent(mgr)
+
+
+def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels(packed_factory):
+    """Recording streams: part p's reads come after the copy stream waited on the event recorded
+    after part p - 2's kernels (the same half) and before the compute stream's wait for them,
+    which precedes part p's kernels; parts alternate between two disjoint halves."""
+    from test_engine import _recorded_manager
+
+    mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
+    reads = mgr._queue_read
+    mgr._queue_read = lambda b, key, pool, slot, *a, **kw: rec.order.append(("read", slot, key)) or reads(b, key, pool, slot, *a, **kw)
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+    s = mgr.begin_stream(layer, list(range(8)))
+    assert s is not None and len(s.parts) >= 3, "the test needs three parts or more"
+    assert not set(s.halves[0]) & set(s.halves[1])
+    kernels = {}
+    mgr.stream_part(s, 0)
+    mgr.wait_all(s.held)
+    for p in range(len(s.parts)):
+        if p + 1 < len(s.parts):
+            mgr.stream_part(s, p + 1)
+        mgr.wait_part(s, p)
+        kernels[p] = len(rec.order)
+        rec.order.append(("kernels", p, None))
+        mgr.end_part(s, p)
+    mgr.end_stream(s)
+    order = rec.order
+    compute = mgr.streams.current()
+    for p, part in enumerate(s.parts):
+        at = [i for i, o in enumerate(order) if o[0] == "read" and o[2] in {ExpertKey(layer, e) for e in part}]
+        assert len(at) == len(part) and {order[i][1] for i in at} == set(s.slots(p))
+        if p >= 2:
+            freed = next(o[2] for o in order[kernels[p - 2]:] if o[0] == "record" and o[1] is compute)
+            assert any(o[0] == "wait" and o[1] is mgr.copy_stream and o[2] is freed for o in order[kernels[p - 2]:at[0]]), f"part {p}"
+        # the compute stream waits on an event recorded after the part's reads, before its kernels
+        waits = [o[2] for o in order[at[-1]:kernels[p]] if o[0] == "wait" and o[1] is compute]
+        recorded_after = {id(o[2]) for o in order[at[-1]:kernels[p]] if o[0] == "record"}
+        assert any(id(ev) in recorded_after for ev in waits), f"part {p}: kernels do not wait for its reads"
+    assert all(r == 0 for p_ in mgr.pools for r in p_.readers)
+
+
+@pytest.mark.parametrize("case", ["cold", "recorded", "fits", "off"])
+def test_streaming_falls_back(case, packed_factory):
+    """A cold miss, a recorded trace, misses that fit half the free slots, or streaming switched
+    off: begin_stream declines and holds nothing."""
+    cfg = _cfg("bf16")
+    if case == "cold":
+        cfg["tiers"]["cpu"] = {"fraction": 0.3, "precision": "bf16"}
+    mgr = manager_of(tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False))
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+    experts = list(range(8))
+    if case == "recorded":
+        mgr.recorded = []
+    elif case == "fits":
+        experts = [e for e in experts if mgr.table[ExpertKey(layer, e)].pinned] + \
+                  [e for e in experts if not mgr.table[ExpertKey(layer, e)].pinned][:2]
+        experts.sort()
+    elif case == "off":
+        mgr.streamed_calls = False
+    else:
+        assert any(mgr.table[ExpertKey(layer, e)].home.value == "nvme" for e in experts)
+    assert mgr.begin_stream(layer, experts) is None
+    assert all(r == 0 for p in mgr.pools for r in p.readers)
+
+
+def test_a_streamed_call_prefetches_into_half_the_slots_it_gave_back(checkpoint_factory, packed_factory):
+    """With lookahead on, a streamed call stages the next layer's predicted experts into at most
+    half the staging slots once it gave them back, so the next long call still streams through
+    the other half; the forward's logits equal the untiered model's."""
+    cfg = WARM | {"tiers": WARM["tiers"] | {"gpu": WARM["tiers"]["gpu"] | {"prefetch_depth": 1}}}
+    model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
+    mgr = manager_of(model)
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
+    ref.set_experts_implementation("grouped_mm")
+    staging = mgr.stats().gpu_slots["staging"]
+    issued = []
+    prefetch = mgr.prefetch
+    mgr.prefetch = lambda layer, experts, limit=None: issued.append((limit, prefetch(layer, experts, limit))) or issued[-1][1]
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    mgr.reset_stats()
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, want)
+    s = mgr.stats()
+    layers = len(mgr.manifest.layers) - len(mgr.static_maps)
+    assert s.streamed["calls"] == layers, s.streamed
+    after = [n for limit, n in issued if limit is not None]
+    assert len(after) == layers - 1 and all(n <= staging // 2 for n in after) and any(after), issued
+    assert s.prefetch["used"] > 0, "the next call finds prefetched experts resident"
+    _assert_consistent(mgr)

@@ -1,0 +1,118 @@
+"""Streamed calls: a long layer call (a prompt's prefill) whose warm misses outnumber what half
+the free staging slots hold, read part by part into reserved slots, double buffered.
+
+Owns: the reservation of a pool's unheld staging slots for one call, the reads of each part's
+misses into one half of them, and the events that order those reads against the part before
+last's kernels. A mixin of the tier manager, like ``Prefetcher`` and ``DirectDecoder``.
+
+Why: the general path for such a call (``integration._grouped_in_parts``) claims each part's
+slots through the cache policy, stages each miss, and maps and sorts the part's rows on the
+device, all on the host, part after part. On the H200, a part of 8 Qwen3-30B-A3B experts
+(INT8, 38 MB, 0.77 ms of reading) took about 1.9 ms of host work under the profiler, so the
+reads waited on the host. Here the host plans the whole call once: the experts held already
+(hot or cached) form part 0, the misses go in parts of half the reserved slots, every row gets
+its part and slot as one sort key (one upload, one sort on the device), and each part then
+costs a copy per expert (and a dequantization per stack) and its grouped GEMMs. Part ``p + 1``'s reads are
+queued before part ``p``'s kernels, into the other half, after part ``p - 1``'s kernels.
+The copy engine reads, not the SMs (``stream_direct`` off): the GEMMs of a long call need the
+SMs, and on the H200 direct stacks made a 6-layer Qwen3 prefill slower (46 against 42 ms in
+INT8, 78 against 64 in bf16; ``bench/results/prefill_ab-qwen3_moe.json``).
+
+Reserved slots hold no cache: a miss is read into a slot the residency table never sees, and
+the slots go back empty, with a last-read event, when the call ends. Misses on disk leave the
+call to the general path, which reads them on the reader threads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from loader.layout import ExpertKey
+from tiers.residency import Home
+
+
+@dataclass
+class Stream:
+    """One streamed call: what it holds and how its misses are split."""
+
+    layer: int
+    pool: Any
+    held: list  # Handles of the experts resident when the call began (part 0)
+    parts: list[list[int]]  # the misses, in parts of at most ``len(halves[0])``
+    halves: tuple[list[int], list[int]]  # the reserved slots: part p reads into halves[p % 2]
+    freed: list = field(default_factory=list)  # per half: the event its last reader's kernels were queued before
+
+    def slots(self, p: int) -> list[int]:
+        """The slots part ``p``'s misses are read into, in the part's order."""
+        return self.halves[p % 2][: len(self.parts[p])]
+
+
+class StreamedCalls:
+    """Mixed into ``TierManager``: uses its table, pools, cache, staging helpers, streams and stats."""
+
+    def begin_stream(self, layer: int, experts: list[int]) -> Stream | None:
+        """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the
+        call does not qualify (a miss on disk, a routing trace recorded, fewer than two free
+        staging slots, or misses that fit half of them), holding nothing then."""
+        if not self.streamed_calls or self.recorded is not None:
+            return None
+        pool = self.pool_of[layer]
+        rows = [self.table[ExpertKey(layer, e)] for e in experts]
+        misses = [e for e, r in zip(experts, rows) if r.slot is None]
+        if any(r.slot is None and r.home is not Home.CPU for r in rows):
+            return None
+        self.drain()  # read-aheads hold their slots until they land
+        hot = self.hot_count[id(pool)]
+        free = sum(1 for s in range(hot, pool.n_slots) if pool.readers[s] == 0)
+        cached = sum(1 for r in rows if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0)  # held below
+        half = (free - cached) // 2
+        if half < 1 or len(misses) <= half:
+            return None
+        held = [self.try_acquire(ExpertKey(layer, e)) for e, r in zip(experts, rows) if r.slot is not None]
+        reserved = [s for s in range(hot, pool.n_slots) if pool.readers[s] == 0][: 2 * half]
+        compute = self.streams.current()
+        for s in reserved:
+            if pool.owner[s] is not None:
+                self.drop_staged(pool, s)
+            pool.hold(s)
+            pool.wait_ready(s, compute)  # a write still queued lands before this call's
+        start = self.streams.event()
+        start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it
+        parts = [misses[i : i + half] for i in range(0, len(misses), half)]
+        self.stats_.streamed_calls += 1
+        return Stream(layer, pool, held, parts, (reserved[:half], reserved[half:]), [start, start])
+
+    def stream_part(self, s: Stream, p: int) -> None:
+        """Queue the reads of part ``p``'s misses into its half, after that half's last kernels."""
+        pool, lru = s.pool, self.cache[id(s.pool)]
+        self.copy_stream.wait_event(s.freed[p % 2])
+        assert self._batch is None, "a streamed part is read inside another staging batch"
+        with self.staging():  # one batch: the part's stacks and ready events
+            for e, slot in zip(s.parts[p], s.slots(p)):
+                key = ExpertKey(s.layer, e)
+                lru.access(key)  # the policy counts every lookup
+                precision, source, src = self._fetch(key, self.table[key], pool, slot)
+                self._queue_read(self._batch, key, pool, slot, precision, source, src, direct=self.stream_direct)
+                self.stats_.lookup(source)
+        self.stats_.streamed_parts += 1
+
+    def wait_part(self, s: Stream, p: int) -> None:
+        """Order the compute stream after part ``p``'s reads; call before its first kernel."""
+        self._wait_latest([w for w in (s.pool.take_ready(slot) for slot in s.slots(p)) if w is not None])
+
+    def end_part(self, s: Stream, p: int) -> None:
+        """Part ``p``'s kernels are queued: its half may be read into again after them."""
+        ev = self.streams.event()
+        ev.record(self.streams.current())
+        s.freed[p % 2] = ev
+
+    def end_stream(self, s: Stream) -> None:
+        """The call's kernels are queued: give back the reserved slots (empty) and the held experts."""
+        reserved = s.halves[0] + s.halves[1]
+        # a part the call never waited on (it failed on the way) must land before the slots go back
+        self._wait_latest([w for w in (s.pool.take_ready(slot) for slot in reserved) if w is not None])
+        ev = self.streams.event()
+        ev.record(self.streams.current())
+        for slot in reserved:
+            s.pool.end_read_at(slot, ev)
+        self.release_all(s.held)
