@@ -15,8 +15,9 @@ its part and slot as one sort key (one upload, one sort on the device), and each
 costs a copy per expert (and a dequantization per stack) and its grouped GEMMs. Part ``p + 1``'s reads are
 queued before part ``p``'s kernels, into the other half, after part ``p - 1``'s kernels.
 The copy engine reads, not the SMs (``stream_direct`` off): the GEMMs of a long call need the
-SMs, and on the H200 direct stacks made a 6-layer Qwen3 prefill slower (46 against 42 ms in
-INT8, 78 against 64 in bf16; ``bench/results/prefill_ab-qwen3_moe.json``).
+SMs. On the H200 a 6-layer Qwen3 prefill through direct stacks took 78 and 82 ms in bf16
+against 64 and 68 through the copy engine, in two runs; in INT8 46 against 42, then 64 against
+66 (``bench/results/prefill_ab-qwen3_moe*.json``).
 
 Reserved slots hold no cache: a miss is read into a slot the residency table never sees, and
 the slots go back empty, with a last-read event, when the call ends. Misses on disk leave the
