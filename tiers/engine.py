@@ -538,6 +538,44 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 # experts too large to stack: this one's dequantization overlaps the next one's copy
                 self._dequantize(b, b.groups.pop(id(pool)))
 
+    def _stage_copy_run(self, b: _Batch, pool: SlotPool, blob: Any, slots: list[int], srcs: list[torch.Tensor]) -> None:
+        """Lossy copies of one blob layout into ``slots`` as a single stack: consecutive transit
+        rows, one copy per run of sources that lie back to back in the host pool (a layer's warm
+        experts are placed in expert order, a row apart), then one stacked dequantization. For a
+        streamed part, whose slots' last reads the copy stream already waits on."""
+        pid, k = id(pool), len(slots)
+        rows_n = pool.n_slots - self.hot_count[pid]
+        assert 0 < k <= rows_n, f"{k} copies for {rows_n} transit rows"
+        row0 = self.next_row[pid] if self.next_row[pid] + k <= rows_n else 0
+        self.next_row[pid] = (row0 + k) % rows_n
+        transit = self.transit[pid]
+        width = transit.shape[1]
+        t0 = self.clock()
+        with self.streams.use(self.copy_stream):
+            if self.timing and b.start is None:
+                b.start = self.streams.event(timing=True)
+                b.start.record(self.copy_stream)
+            for r in range(row0, row0 + k):
+                done = self.transit_done.get((pid, r))
+                if done is not None and not any(done is w for w in b.waited):
+                    self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
+                    b.waited.append(done)
+            i = 0
+            while i < k:
+                j = i + 1
+                while j < k and srcs[j].data_ptr() == srcs[i].data_ptr() + (j - i) * width:
+                    j += 1
+                nbytes = (j - i - 1) * width + srcs[j - 1].numel()
+                src = srcs[i] if j == i + 1 else self.host.view(srcs[i].data_ptr() - self.host.slab.data_ptr(), nbytes)
+                self._check_pinned(src)
+                transit[row0 + i : row0 + j].view(-1)[:nbytes].copy_(src, non_blocking=True)
+                i = j
+        moved = sum(src.numel() for src in srcs)
+        self.stats_.bytes_moved["cpu"] = self.stats_.bytes_moved.get("cpu", 0) + moved
+        if not self.timing:
+            self.stats_.stage_seconds += self.clock() - t0
+        self._dequantize(b, _Stack(pool, blob, blob.precision, row0, list(slots)))
+
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the
         dequant stream, after the copies land; one ready event for all of them. A direct stack is

@@ -200,3 +200,74 @@ def test_a_streamed_call_prefetches_into_half_the_slots_it_gave_back(checkpoint_
     assert len(after) == layers - 1 and all(n <= staging // 2 for n in after) and any(after), issued
     assert s.prefetch["used"] > 0, "the next call finds prefetched experts resident"
     _assert_consistent(mgr)
+
+
+def test_a_streamed_int8_part_is_one_stack_with_a_copy_per_run_of_adjacent_blobs(device, packed_factory):
+    """INT8 through the copy engine: a part's misses go up in one copy per run of blobs lying back
+    to back in the host pool, into consecutive transit rows, then one stacked dequantization;
+    each slot then holds exactly its blob dequantized alone."""
+    from test_integrity import decoded
+
+    packed = packed_factory("qwen3_moe")
+    mgr = manager_of(tiers.load(packed, _cfg("int8"), device=device, progress=False))
+    mgr.stream_direct = False
+    copies, stacks = [], []
+    check, dequantize = mgr._check_pinned, mgr._dequantize
+    mgr._check_pinned = lambda src: copies.append(src.numel()) or check(src)
+    mgr._dequantize = lambda b, g: stacks.append(list(g.slots)) or dequantize(b, g)
+    width = mgr.transit[id(mgr.pools[0])].shape[1]
+    runs_seen = 0
+    for layer in [L for L in mgr.manifest.layers if L not in mgr.static_maps]:
+        s = mgr.begin_stream(layer, list(range(8)))
+        assert s is not None
+        for p, part in enumerate(s.parts):
+            copies.clear(), stacks.clear()
+            mgr.stream_part(s, p)
+            offs = [mgr.table[ExpertKey(layer, e)].host_offset for e in part]
+            runs = 1 + sum(b != a + width for a, b in zip(offs, offs[1:]))
+            runs_seen += runs < len(part)
+            assert len(copies) == runs and stacks == [s.slots(p)], (part, offs, copies, stacks)
+            blob = mgr.manifest.layers[layer].blobs["int8"]
+            assert sum(copies) == (len(part) - runs) * width + runs * blob.nbytes
+            mgr.wait_part(s, p)
+            for e, slot in zip(part, s.slots(p)):
+                want = decoded(packed, ExpertKey(layer, e), "int8", device)
+                assert all(torch.equal(s.pool.tensors(slot)[n], want[n]) for n in want), f"layer {layer} expert {e}"
+            mgr.end_part(s, p)
+        mgr.end_stream(s)
+    assert runs_seen, "no part had blobs back to back: the test must exercise a coalesced copy"
+    _assert_consistent(mgr)
+
+
+def test_a_streamed_int8_part_copies_into_rows_only_after_their_last_dequantization(packed_factory):
+    """Recording streams: before a part's first copy the copy stream waits on the last
+    dequantization of every transit row the part writes (rows are reused part after part)."""
+    from test_engine import _recorded_manager
+    from test_slots import waits_between
+
+    mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="int8", cpu_share={"budget": "64MiB"})
+    mgr.stream_direct = False
+    pid = id(mgr.pools[0])
+    check, dequantize = mgr._check_pinned, mgr._dequantize
+    mgr._check_pinned = lambda src: rec.order.append(("copy", None, src.numel())) or check(src)
+    stacks = []
+    mgr._dequantize = lambda b, g: stacks.append((g.row, len(g.slots))) or dequantize(b, g)
+    checked = 0
+    for layer in [L for L in mgr.manifest.layers if L not in mgr.static_maps] * 2:
+        s = mgr.begin_stream(layer, list(range(8)))
+        assert s is not None
+        for p in range(len(s.parts)):
+            before = dict(mgr.transit_done)
+            start = len(rec.order)
+            mgr.stream_part(s, p)
+            row0, k = stacks[-1]
+            first = next(i for i in range(start, len(rec.order)) if rec.order[i][0] == "copy")
+            for r in range(row0, row0 + k):
+                ev = before.get((pid, r))
+                if ev is not None:
+                    assert waits_between(rec.order, start, first, mgr.copy_stream, ev), f"layer {layer} part {p} row {r}"
+                    checked += 1
+            mgr.wait_part(s, p)
+            mgr.end_part(s, p)
+        mgr.end_stream(s)
+    assert checked > 4
