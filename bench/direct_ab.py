@@ -33,18 +33,13 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import tiers
-    from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, prefill_seconds
+    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="tiers-ab-"))
-    shape = dict((SHAPES if cuda else TINY)[args.model], layers=args.layers)
-    plain = build(args.model, shape, device)
-    plain.save_pretrained(work / "hf")
-    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
-    m = tiers.load(work / "packed", {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"budget": "1TB", "precision": "int8"}}},
+    plain, packed = build_packed(args.model, args.layers, device, Path(tempfile.mkdtemp(prefix="tiers-ab-")))
+    m = tiers.load(packed, {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"budget": "1TB", "precision": "int8"}}},
                    device=device, progress=False)
     mgr = manager_of(m)
     prompt = torch.randint(0, plain.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0)).to(device)

@@ -39,17 +39,12 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import tiers
-    from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, prefill_seconds
+    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="tiers-prefill-ab-"))
-    shape = dict((SHAPES if cuda else TINY)[args.model], layers=args.layers)
-    plain = build(args.model, shape, device)
-    plain.save_pretrained(work / "hf")
-    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
+    plain, packed = build_packed(args.model, args.layers, device, Path(tempfile.mkdtemp(prefix="tiers-prefill-ab-")))
     ids = torch.randint(0, plain.config.vocab_size, (1, 2048 if cuda else 64), generator=torch.Generator().manual_seed(1)).to(device)
     prompt = ids[:, :16]
     prefill_seconds(plain, ids, device, 1)
@@ -61,7 +56,7 @@ def main() -> int:
         cfg = {"tiers": {"gpu": {"fraction": args.fraction, "staging_slots": staging if staging == "auto" else int(staging),
                                  "prefetch_depth": int(depth)},
                          "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
-        m = tiers.load(work / "packed", cfg, device=device, progress=False)
+        m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
         runs = {k: {"prefill_s": [], "moved_bytes": [], "streamed_parts": []} for k in SETTINGS} | {"all_gpu": {"prefill_s": []}}
         for name, (streamed, direct) in SETTINGS.items():  # warm-up

@@ -1,7 +1,7 @@
 """What the bench measures with: random-weight models of real shapes, timing, the naive lazy
 ``.to()`` baseline and the H2D copy sweep.
 
-Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build``, the timing helpers
+Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build`` (and ``build_packed``), the timing helpers
 (median of repetitions after a warm-up, with a device sync around each), the lazy experts forward
 registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends with a device
 sync, so it measures finished work.
@@ -117,6 +117,18 @@ def build(model_type: str, shape: dict, device: torch.device, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
+
+
+def build_packed(model_type: str, layers: int, device: torch.device, work):
+    """A model of real shapes (``TINY`` ones off CUDA) with ``layers`` layers, and its pack in both
+    precisions under ``work/packed`` (the checkpoint goes through ``work/hf``)."""
+    from loader.pack import pack
+
+    shape = dict((SHAPES if device.type == "cuda" else TINY)[model_type], layers=layers)
+    model = build(model_type, shape, device)
+    model.save_pretrained(work / "hf")
+    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
+    return model, work / "packed"
 
 
 def expert_modules(model):
