@@ -59,12 +59,12 @@ class StreamedCalls:
         staging slots, or misses that fit half of them), holding nothing then."""
         if not self.streamed_calls or self.recorded is not None:
             return None
+        self.drain()  # read-aheads hold their slots until they land (or fail, leaving their expert out)
         pool = self.pool_of[layer]
         rows = [self.table[ExpertKey(layer, e)] for e in experts]
         misses = [e for e, r in zip(experts, rows) if r.slot is None]
         if any(r.slot is None and r.home is not Home.CPU for r in rows):
             return None
-        self.drain()  # read-aheads hold their slots until they land
         hot = self.hot_count[id(pool)]
         free = sum(1 for s in range(hot, pool.n_slots) if pool.readers[s] == 0)
         cached = sum(1 for r in rows if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0)  # held below

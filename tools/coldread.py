@@ -20,7 +20,8 @@ Each round runs every arm once, odd rounds in reverse order (``order`` lists the
 ``diskstore.gbps`` over the best O_DIRECT rate (one blob at a time: a lone demand miss), and
 ``ratio_parallel`` the same for ``diskstore_parallel`` (several cold misses of one call), rates
 being total bytes over total seconds; ``ratio_engine`` is the one of the path the engine takes
-for blobs of this size (``engine_path``: together up to ``TierManager.PARALLEL_READ_BYTES``); the project's target is >= 0.9. GB/s are 1e9 bytes per second. Where the filesystem refuses O_DIRECT
+for blobs of this size (``engine_path``: together up to ``TierManager.PARALLEL_READ_BYTES``), and
+``meets_target`` says whether it reaches the target, 0.9. GB/s are 1e9 bytes per second. Where the filesystem refuses O_DIRECT
 (tmpfs before Linux 6.6: EINVAL), ``o_direct_supported`` is false, ``o_direct_error`` says why,
 the O_DIRECT arms and ``ratio`` are null, and DiskStore is still measured.
 """
@@ -333,7 +334,8 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
     result["engine_path"] = "diskstore_parallel" if blob <= TierManager.PARALLEL_READ_BYTES and threads > 1 else "diskstore"
     result["ratio_engine"] = result["ratio_parallel"] if result["engine_path"] == "diskstore_parallel" else result["ratio"]
     result["target_ratio"] = TARGET_RATIO
-    result["meets_target"] = None if result["ratio"] is None else result["ratio"] >= TARGET_RATIO
+    # the target holds the path the engine takes for these blobs to the disk's best O_DIRECT rate
+    result["meets_target"] = None if result["ratio_engine"] is None else result["ratio_engine"] >= TARGET_RATIO
     return result
 
 

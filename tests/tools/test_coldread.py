@@ -49,11 +49,11 @@ def test_measure_counts_every_blob_once_per_pass(packed, precision):
     best = max(r["o_direct_single"]["gbps"], r["o_direct_threads"]["gbps"])
     assert r["o_direct_best_gbps"] == best
     assert r["ratio"] == pytest.approx(r["diskstore"]["gbps"] / best)
-    assert r["meets_target"] is (r["ratio"] >= 0.9)
     assert_rate(r["diskstore_parallel"], nbytes)  # several blobs at once, as a call's cold misses are read
     assert r["diskstore_parallel"]["workers"] == 2
     assert r["ratio_parallel"] == pytest.approx(r["diskstore_parallel"]["gbps"] / best)
     assert (r["engine_path"], r["ratio_engine"]) == ("diskstore_parallel", r["ratio_parallel"])  # tiny blobs: read together
+    assert r["meets_target"] is (r["ratio_engine"] >= 0.9)  # the engine's path is what the target holds
     assert r["page_cache_dropped"] is hasattr(os, "posix_fadvise")
     json.dumps(r)  # JSON-able as it stands
 
