@@ -6,8 +6,8 @@
 For each config (cpu-tier precision : staging slots : prefetch depth), Tiers at a GPU budget of
 ``--fraction`` of the expert bytes with every other expert warm, one forward of 2048 tokens
 timed with: streamed (long calls read part by part into reserved slots by the copy engine,
-``tiers.streamed``), streamed_direct (the same through direct stacks) or parts (the general
-path through the cache); and the untiered all-GPU model in the same repetition. Reports the
+``tiers.streamed``), streamed_direct (the same through direct stacks), streamed_ahead (then the
+next layer's first warm experts staged ahead) or parts (the general path through the cache); and the untiered all-GPU model in the same repetition. Reports the
 bound max(all-GPU prefill, moved bytes / 55 GB/s), each setting's ratio to it (medians), and
 the config's decode ms/token (streamed setting).
 """
@@ -26,7 +26,9 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 H2D_BYTES_PER_S = 55e9
-SETTINGS = {"streamed": (True, False), "streamed_direct": (True, True), "parts": (False, False)}
+# streamed calls, through direct stacks, then staging the next layer ahead (TierManager attributes)
+SETTINGS = {"streamed": (True, False, False), "streamed_direct": (True, True, False), "streamed_ahead": (True, False, True),
+            "parts": (False, False, False)}
 
 
 def main() -> int:
@@ -59,12 +61,12 @@ def main() -> int:
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
         runs = {k: {"prefill_s": [], "moved_bytes": [], "streamed_parts": []} for k in SETTINGS} | {"all_gpu": {"prefill_s": []}}
-        for name, (streamed, direct) in SETTINGS.items():  # warm-up
-            mgr.streamed_calls, mgr.stream_direct = streamed, direct
+        for name, setting in SETTINGS.items():  # warm-up
+            mgr.streamed_calls, mgr.stream_direct, mgr.stream_ahead = setting
             prefill_seconds(m, ids, device, 1)
         for _ in range(args.reps):
-            for name, (streamed, direct) in SETTINGS.items():
-                mgr.streamed_calls, mgr.stream_direct = streamed, direct
+            for name, setting in SETTINGS.items():
+                mgr.streamed_calls, mgr.stream_direct, mgr.stream_ahead = setting
                 mgr.reset_stats()
                 runs[name]["prefill_s"].append(prefill_seconds(m, ids, device, 1))
                 s = mgr.stats()
@@ -78,7 +80,7 @@ def main() -> int:
             bound = max(gpu, med[name]["moved_bytes"] / H2D_BYTES_PER_S)
             med[name] |= {"bound_s": bound, "over_bound": med[name]["prefill_s"] / bound}
         staging_slots = mgr.stats().gpu_slots["staging"]
-        mgr.streamed_calls, mgr.stream_direct = SETTINGS["streamed"]
+        mgr.streamed_calls, mgr.stream_direct, mgr.stream_ahead = SETTINGS["streamed"]
         decode = statistics.median(decode_ms_per_token(m, prompt, 16, device, 1) for _ in range(args.reps))
         out["configs"][spec] = {"config": cfg, "staging_slots": staging_slots, "decode_ms_per_token": decode, "median": med, "runs": runs}
         print(spec, f"staging {staging_slots}", f"decode {decode:.2f} ms/token", json.dumps({k: {f: round(v, 4) for f, v in r.items()} for k, r in med.items()}), flush=True)

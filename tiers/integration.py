@@ -399,7 +399,11 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
         mgr.end_stream(s)
         # into half the slots just given back, behind this call's kernels: a long next call finds
         # those resident and streams its other misses through the other half
-        _prefetch(binding, limit=(s.pool.n_slots - mgr.hot_count[id(s.pool)]) // 2)
+        limit = (s.pool.n_slots - mgr.hot_count[id(s.pool)]) // 2
+        if binding.lookahead:
+            _prefetch(binding, limit)
+        else:  # no router predictions: the next layer in expert order, if this call is long enough
+            mgr.stage_ahead(binding.layer, hidden_states.shape[0], top_k_index.shape[-1], limit)
 
 
 def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], chunks: list[list[int]]) -> torch.Tensor:

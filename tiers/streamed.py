@@ -53,6 +53,8 @@ class Stream:
 class StreamedCalls:
     """Mixed into ``TierManager``: uses its table, pools, cache, staging helpers, streams and stats."""
 
+    STREAM_AHEAD_COVERAGE = 0.9  # expected share of a layer's experts a call must hit for stage_ahead
+
     def begin_stream(self, layer: int, experts: list[int]) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the
         call does not qualify (a miss on disk, a routing trace recorded, fewer than two free
@@ -84,6 +86,25 @@ class StreamedCalls:
         parts = [misses[i : i + half] for i in range(0, len(misses), half)]
         self.stats_.streamed_calls += 1
         return Stream(layer, pool, held, parts, (reserved[:half], reserved[half:]), [start, start])
+
+    def stage_ahead(self, layer: int, tokens: int, top_k: int, limit: int) -> int:
+        """After a streamed call of ``tokens`` tokens at ``layer`` (``stream_ahead`` on): stage the
+        next MoE layer's warm experts in expert order into at most ``limit`` unheld staging slots,
+        when a call that long would hit nearly every expert under uniform routing (each expert
+        missed with chance (1 - k/E)^tokens, at most ``1 - STREAM_AHEAD_COVERAGE``), so their
+        copies run while the host reaches that layer's sync. Returns how many were staged."""
+        if not self.stream_ahead:
+            return 0
+        layers = sorted(self.manifest.layers)
+        at = layers.index(layer) + 1
+        if at == len(layers) or layers[at] in self.static_maps:
+            return 0
+        nxt = layers[at]
+        n = self.manifest.layers[nxt].layout.num_experts
+        if (1 - top_k / n) ** tokens > 1 - self.STREAM_AHEAD_COVERAGE:
+            return 0
+        rows = [self.table[ExpertKey(nxt, e)] for e in range(n)]
+        return self.prefetch(nxt, [e for e, r in enumerate(rows) if r.slot is None and r.home is Home.CPU], limit)
 
     def stream_part(self, s: Stream, p: int) -> None:
         """Queue the reads of part ``p``'s misses into its half, after that half's last kernels."""

@@ -271,3 +271,64 @@ def test_a_streamed_int8_part_copies_into_rows_only_after_their_last_dequantizat
             mgr.end_part(s, p)
         mgr.end_stream(s)
     assert checked > 4
+
+
+@pytest.mark.parametrize("tokens", [64, 2])
+def test_stage_ahead_stages_the_next_layer_in_order_after_a_long_call(tokens, checkpoint_factory, packed_factory):
+    """``stream_ahead`` (off by default): after a streamed call long enough to hit nearly every
+    expert, the next layer's first warm experts, in expert order, are staged into half the slots
+    just given back, and that layer's call finds them resident; a short call stages nothing.
+    Logits stay equal to the untiered model's."""
+    model = tiers.load(packed_factory("qwen3_moe"), WARM, device="cpu", progress=False)
+    mgr = manager_of(model)
+    assert not mgr.stream_ahead
+    mgr.stream_ahead = True
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
+    ref.set_experts_implementation("grouped_mm")
+    staged = []
+    ahead = mgr.stage_ahead
+    layers = sorted(mgr.manifest.layers)
+
+    def spy(layer, *a):
+        n = ahead(layer, *a)
+        nxt = layers[layers.index(layer) + 1] if layer != layers[-1] else None
+        resident = [] if nxt is None else [e for e in range(mgr.manifest.layers[nxt].layout.num_experts)
+                                           if not mgr.table[ExpertKey(nxt, e)].pinned and mgr.table[ExpertKey(nxt, e)].slot is not None]
+        staged.append((layer, n, resident))
+        return n
+
+    mgr.stage_ahead = spy
+    first = {}  # layer -> the experts stage_ahead would take, before any call
+    for L in layers:
+        rows = [mgr.table[ExpertKey(L, e)] for e in range(mgr.manifest.layers[L].layout.num_experts)]
+        first[L] = [e for e, r in enumerate(rows) if r.slot is None][: (mgr.stats().gpu_slots["staging"]) // 2]
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    mgr.reset_stats()
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.equal(got, want)
+    s = mgr.stats()
+    if tokens == 2:  # 8 rows: no call streams, nothing is staged ahead
+        assert s.streamed["calls"] == 0 and not staged and s.prefetch["issued"] == 0
+        return
+    assert [L for L, *_ in staged] == layers, "every layer streams and then stages ahead"
+    for i, (_, n, resident) in enumerate(staged[:-1]):  # the next layer's first warm experts, in order
+        assert n == len(first[layers[i + 1]]) and resident == first[layers[i + 1]], staged
+    assert staged[-1][1] == 0, "nothing after the last layer"
+    assert s.prefetch["issued"] == sum(n for _, n, _ in staged) > 0
+    assert s.prefetch["used"] > 0, "the next layer's call must find staged experts resident"
+    _assert_consistent(mgr)
+
+
+def test_stage_ahead_needs_a_call_long_enough_to_cover_the_next_layer(packed_factory):
+    """8 experts, one pick per token: a call of t tokens misses a given expert with chance
+    0.875^t, at most 0.1 from t = 18 on (0.875^17 = 0.103); shorter calls stage nothing ahead,
+    and nothing is staged while off."""
+    mgr = manager_of(tiers.load(packed_factory("qwen3_moe"), WARM, device="cpu", progress=False))
+    layers = sorted(mgr.manifest.layers)
+    assert mgr.manifest.layers[layers[1]].layout.num_experts == 8
+    assert mgr.stage_ahead(layers[0], 64, 1, 2) == 0, "off by default"
+    mgr.stream_ahead = True
+    assert mgr.stage_ahead(layers[0], 17, 1, 2) == 0 and mgr.stats().prefetch["issued"] == 0
+    assert mgr.stage_ahead(layers[0], 18, 1, 2) == 2
+    assert mgr.stage_ahead(layers[-1], 64, 1, 2) == 0, "no layer after the last"
