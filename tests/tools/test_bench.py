@@ -77,6 +77,11 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     assert off["bound_ms_per_token"] >= base
     assert t["bound_ms_per_token"] == pytest.approx(base + sum(t["bytes_moved_per_token"].values()) / bench.H2D_BYTES_PER_S * 1e3)
     assert t["prefill_bound_s"] >= min(a["prefill_s"] for a in skewed)
+    # prefill against the all-GPU prefill interleaved with the arm's, under the same routing
+    for arm in (t, off):
+        assert arm["paired_prefill_s"] > 0
+        assert arm["paired_prefill_bound_s"] == max(arm["paired_prefill_s"], arm["prefill_bytes_moved"] / bench.H2D_BYTES_PER_S)
+        assert arm["prefill_over_paired_bound"] == pytest.approx(arm["prefill_s"] / arm["paired_prefill_bound_s"])
     assert r["routing"]["skewed"]["zipf_s"] == 1.2
     assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()
 
@@ -135,3 +140,15 @@ def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path
     assert timed[start : start + 8] == rep * 2, timed
     a = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
     assert a["paired_all_gpu_ms_per_token"] > 0
+
+
+def test_paired_timings_alternate_the_arm_and_its_pair():
+    calls = []
+    arm, pair = bench.paired_timings(lambda: calls.append("arm"), lambda: calls.append("pair"), torch.device("cpu"), 3)
+    assert calls == ["arm", "pair"] * 3 and len(arm) == len(pair) == 3 and min(arm + pair) >= 0
+    r = bench.add_bounds({"arms": {"all_gpu": {"decode_ms_per_token": 10.0, "prefill_s": 0.02},
+                                   "tiers_25_int8": {"decode_ms_per_token": 12.0, "bytes_moved_per_token": {"cpu": 55e6},
+                                                     "prefill_s": 0.06, "paired_prefill_s": 0.03, "prefill_bytes_moved": 1.1e9}}})
+    t = r["arms"]["tiers_25_int8"]
+    assert t["prefill_bound_s"] == pytest.approx(0.02) and t["paired_prefill_bound_s"] == pytest.approx(0.03)
+    assert t["prefill_over_bound"] == pytest.approx(3.0) and t["prefill_over_paired_bound"] == pytest.approx(2.0)
