@@ -118,9 +118,9 @@ class StreamedCalls:
                 key = ExpertKey(s.layer, e)
                 lru.access(key)  # the policy counts every lookup
                 fetched.append((key, *self._fetch(key, self.table[key], pool, slot)))
-                self.stats_.lookup("cpu")
+                self.stats_.lookup(fetched[-1][2])
             blob = self.manifest.blob(fetched[0][0], fetched[0][1])
-            if self._runs_copy(pool, blob):
+            if all(source == "cpu" for _, _, source, _ in fetched) and self._runs_copy(pool, blob):
                 self._stage_copy_run(self._batch, pool, blob, slots, [src for *_, src in fetched])
             else:
                 for (key, precision, source, src), slot in zip(fetched, slots):
