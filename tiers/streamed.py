@@ -58,22 +58,28 @@ class StreamedCalls:
     def begin_stream(self, layer: int, experts: list[int]) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the
         call does not qualify (a miss on disk, a routing trace recorded, fewer than two free
-        staging slots, or misses that fit half of them), holding nothing then."""
+        staging slots, or misses that fit half of them), holding nothing then. The call's experts
+        cached in free staging slots stay resident (part 0) as long as at least half the free
+        slots are left to reserve; the others are read again, like misses, so a call whose experts
+        fill the cache still streams in parts of a quarter of the free slots or more."""
         if not self.streamed_calls or self.recorded is not None:
             return None
         self.drain()  # read-aheads hold their slots until they land (or fail, leaving their expert out)
         pool = self.pool_of[layer]
         rows = [self.table[ExpertKey(layer, e)] for e in experts]
-        misses = [e for e, r in zip(experts, rows) if r.slot is None]
         if any(r.slot is None and r.home is not Home.CPU for r in rows):
             return None
         hot = self.hot_count[id(pool)]
         free = sum(1 for s in range(hot, pool.n_slots) if pool.readers[s] == 0)
-        cached = sum(1 for r in rows if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0)  # held below
-        half = (free - cached) // 2
+        # the call's experts cached in free staging slots stay (part 0) while half the free slots
+        # remain to stream through; the others are read again like misses
+        cached = [e for e, r in zip(experts, rows) if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0]
+        dropped = set(cached[max(0, free - 2 * max(1, free // 4)) :])
+        misses = [e for e, r in zip(experts, rows) if r.slot is None or e in dropped]
+        half = (free - len(cached) + len(dropped)) // 2
         if half < 1 or len(misses) <= half:
             return None
-        held = [self.try_acquire(ExpertKey(layer, e)) for e, r in zip(experts, rows) if r.slot is not None]
+        held = [self.try_acquire(ExpertKey(layer, e)) for e, r in zip(experts, rows) if r.slot is not None and e not in dropped]
         reserved = [s for s in range(hot, pool.n_slots) if pool.readers[s] == 0][: 2 * half]
         compute = self.streams.current()
         for s in reserved:

@@ -332,3 +332,31 @@ def test_stage_ahead_needs_a_call_long_enough_to_cover_the_next_layer(packed_fac
     assert mgr.stage_ahead(layers[0], 17, 1, 2) == 0 and mgr.stats().prefetch["issued"] == 0
     assert mgr.stage_ahead(layers[0], 18, 1, 2) == 2
     assert mgr.stage_ahead(layers[-1], 64, 1, 2) == 0, "no layer after the last"
+
+
+def test_a_call_whose_experts_fill_the_cache_still_streams(device, packed_factory):
+    """The general path leaves every staging slot holding an expert of the call; the same call
+    streamed then keeps some as part 0 but reserves at least half the free slots, reads the rest
+    again, and matches the general path's output."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16", fraction=0.25), device=device, progress=False)
+    mgr = manager_of(model)
+    layer, _, mod, x, idx, w = next(c for c in _calls(model, 64, seed=7) if c[0] not in mgr.static_maps)
+    pool = mgr.pool_of[layer]
+    staging = pool.n_slots - mgr.hot_count[id(pool)]
+    mgr.streamed_calls = False
+    with torch.no_grad():
+        want = mod(x, idx, w)
+    cached = [s for s in range(mgr.hot_count[id(pool)], pool.n_slots) if pool.owner[s] is not None and pool.owner[s].layer == layer]
+    assert len(cached) == staging, "the general path must leave the call's experts in every staging slot"
+    mgr.streamed_calls = True
+    begin, plans = mgr.begin_stream, []
+    mgr.begin_stream = lambda *a: plans.append(begin(*a)) or plans[-1]
+    mgr.reset_stats()
+    with torch.no_grad():
+        got = mod(x, idx, w)
+    s = plans[0]
+    assert s is not None and 2 * len(s.halves[0]) >= staging // 2, "at least half the free slots are reserved"
+    assert len([h for h in s.held if not mgr.table[h.key].pinned]) <= staging // 2
+    assert mgr.stats().streamed["calls"] == 1
+    _assert_close(want, got, device, f"layer {layer}")
+    _assert_consistent(mgr)
