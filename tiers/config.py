@@ -58,6 +58,7 @@ class CpuTier:
 class NvmeTier:
     precision: str = "int8"
     reader_threads: int = 4  # threads that read prefetched cold experts; 0: read on the calling thread
+    direct_io: bool = False  # read cold blobs with O_DIRECT (bypassing the page cache) where the filesystem allows
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def parse_config(doc: Any) -> TiersConfig:
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
     g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads"})
-    n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads"})
+    n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads", "direct_io"})
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
@@ -163,7 +164,10 @@ def parse_config(doc: Any) -> TiersConfig:
     readers = n.get("reader_threads", d.nvme.reader_threads)
     if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers <= 64:
         raise ValueError(f"tiers.nvme.reader_threads: expected an integer in [0, 64], got {readers!r}")
-    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision), readers)
+    direct_io = n.get("direct_io", d.nvme.direct_io)
+    if not isinstance(direct_io, bool):
+        raise ValueError(f"tiers.nvme.direct_io: expected true or false, got {direct_io!r}")
+    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision), readers, direct_io)
     if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
         raise ValueError(
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "

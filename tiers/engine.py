@@ -270,7 +270,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         if rebalancing:  # any expert may move to any tier
             needed |= {cfg.gpu.precision, cfg.cpu.precision, cfg.nvme.precision}
         # one chunk thread: the CRC of a first read overlaps the rest of it (tools/coldread.py measured more threads slower)
-        self.disk = DiskStore(manifest, sorted(needed), verify=verify, read_threads=1)
+        self.disk = DiskStore(manifest, sorted(needed), verify=verify, read_threads=1, direct_io=cfg.nvme.direct_io)
 
         # The initial table: every expert's home, and each warm expert's place in the host pool.
         initial = {k: Residency(home=Home.GPU) for k in placement.hot}

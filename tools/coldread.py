@@ -14,7 +14,10 @@ files was dropped, with the bytes still cached reported beside it. The passes (a
   ``read_threads`` (default 1) and ``chunk_bytes=request_bytes``, into a page-aligned buffer;
 - ``diskstore_serial``: the same with ``read_threads=0`` (when ``read_threads`` > 0);
 - ``diskstore_parallel``: ``DiskStore.read`` of ``threads`` blobs at once, each into its own
-  buffer, as the engine reads a layer call's cold misses on its reader threads (when ``threads`` > 1).
+  buffer, as the engine reads a layer call's cold misses on its reader threads (when ``threads`` > 1);
+- ``diskstore_direct`` and ``diskstore_parallel_direct``: the same two with ``direct_io=True``
+  (``tiers.nvme.direct_io``: the whole pages of each blob read with O_DIRECT), where O_DIRECT works;
+  ``ratio_direct`` and ``ratio_parallel_direct`` hold them to the best O_DIRECT rate.
 
 Each round runs every arm once, odd rounds in reverse order (``order`` lists them). ``ratio`` is
 ``diskstore.gbps`` over the best O_DIRECT rate (one blob at a time: a lone demand miss), and
@@ -215,9 +218,10 @@ def direct_pass(spans: list[Span], streams: int, request_bytes: int, bar) -> dic
     return _rate(sum(done), seconds, streams=streams, request_bytes=request_bytes)
 
 
-def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_threads: int, chunk_bytes: int, bar) -> dict:
+def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_threads: int, chunk_bytes: int, bar,
+                   direct_io: bool = False) -> dict:
     """Read every span with DiskStore.read (verified on first read) into one page-aligned buffer; bytes and time."""
-    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes)
+    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes, direct_io=direct_io)
     buf = mmap.mmap(-1, max(s.stride for s in spans))  # page-aligned with a stride of room, like the engine's ring buffers
     out = torch.frombuffer(buf, dtype=torch.uint8)  # [max stride]
     try:
@@ -230,15 +234,16 @@ def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_t
         store.close()
         del out  # release the buffer export before closing the mapping
         buf.close()
-    return _rate(sum(s.nbytes for s in spans), seconds, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first")
+    return _rate(sum(s.nbytes for s in spans), seconds, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first",
+                 direct_io=store.direct_io_active)
 
 
 def diskstore_parallel_pass(manifest: Manifest, precision: str, spans: list[Span], workers: int, read_threads: int,
-                            chunk_bytes: int, bar) -> dict:
+                            chunk_bytes: int, bar, direct_io: bool = False) -> dict:
     """Read every span with DiskStore.read, ``workers`` at a time, each worker into its own page-aligned buffer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes)
+    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes, direct_io=direct_io)
     size = max(s.stride for s in spans)
     local = threading.local()  # each worker's buffer: page-aligned, like the engine's ring buffers
     lock = threading.Lock()
@@ -259,7 +264,8 @@ def diskstore_parallel_pass(manifest: Manifest, precision: str, spans: list[Span
             seconds = time.perf_counter() - t0
     finally:
         store.close()
-    return _rate(sum(s.nbytes for s in spans), seconds, workers=workers, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first")
+    return _rate(sum(s.nbytes for s in spans), seconds, workers=workers, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first",
+                 direct_io=store.direct_io_active)
 
 
 def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threads: int = READ_THREADS,
@@ -304,6 +310,13 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
     if threads > 1:
         arms["diskstore_parallel"] = (f"DiskStore, {threads} blobs at once",
                                       lambda bar: diskstore_parallel_pass(manifest, precision, spans, threads, read_threads, request_bytes, bar))
+    if error is None:  # the same two paths with direct_io (tiers.nvme.direct_io)
+        arms["diskstore_direct"] = (f"DiskStore direct_io, read_threads={read_threads}",
+                                    lambda bar: diskstore_pass(manifest, precision, spans, read_threads, request_bytes, bar, direct_io=True))
+        if threads > 1:
+            arms["diskstore_parallel_direct"] = (
+                f"DiskStore direct_io, {threads} blobs at once",
+                lambda bar: diskstore_parallel_pass(manifest, precision, spans, threads, read_threads, request_bytes, bar, direct_io=True))
     # Rounds alternate the order (ABBA...): a disk whose rate drifts during the run (burst credits,
     # host-side caches) then biases no arm, where one fixed order would favour whichever runs first.
     order = [list(arms) if r % 2 == 0 else list(arms)[::-1] for r in range(rounds)]
@@ -317,7 +330,8 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
                 cached = cached_bytes(spans)
                 bar.set_postfix_str(label)
                 runs[name].append(run(bar) | {"cached_bytes_before": cached})
-    for name in ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel"):
+    for name in ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel",
+                 "diskstore_direct", "diskstore_parallel_direct"):
         result[name] = _total(runs[name]) if name in runs else None
     result["order"] = order
     result["page_cache_dropped"] = all(drops)
@@ -327,6 +341,9 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
     result["ratio"] = ds / best if best and ds else None
     par = result["diskstore_parallel"]["gbps"] if result["diskstore_parallel"] else None
     result["ratio_parallel"] = par / best if best and par else None
+    for name in ("direct", "parallel_direct"):  # with tiers.nvme.direct_io
+        arm = result[f"diskstore_{name}"]
+        result[f"ratio_{name}"] = arm["gbps"] / best if best and arm and arm["gbps"] else None
     # the engine reads a call's cold misses together only when their blobs are small
     from tiers.engine import TierManager
 

@@ -166,7 +166,7 @@ _ALLOWED = {
     "tiers": {"gpu", "cpu", "nvme", "rebalance"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth"},
     "tiers.cpu": {"fraction", "budget", "precision", "direct_reads"},
-    "tiers.nvme": {"precision", "reader_threads"},
+    "tiers.nvme": {"precision", "reader_threads", "direct_io"},
     "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin"},
 }
 
@@ -233,7 +233,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
         (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme', 'rebalance']"),
-        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision', 'reader_threads']"),
+        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['direct_io', 'precision', 'reader_threads']"),
         (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 0"),
         (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 2.0"),
         (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8']"),
@@ -525,3 +525,28 @@ def test_bad_rebalance_names_key(name, bad):
 def test_unknown_rebalance_key():
     with pytest.raises(ValueError, match=re.escape("tiers.rebalance.every: unknown key")):
         parse_config({"tiers": {"rebalance": {"every": 3}}})
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_bad_direct_io_names_key(bad):
+    with pytest.raises(ValueError, match=re.escape("tiers.nvme.direct_io: expected true or false")):
+        parse_config({"tiers": {"nvme": {"direct_io": bad}}})
+
+
+def test_direct_io_defaults_off_and_reaches_the_disk_store(packed_factory):
+    import tiers
+    from tiers.integration import manager_of
+
+    assert parse_config({}).nvme.direct_io is False
+    import torch
+
+    logits = []
+    for direct_io in (False, True):  # cold experts read through the pinned ring either way
+        cfg = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.25}, "nvme": {"direct_io": direct_io}}}
+        model = tiers.load(packed_factory("mixtral"), cfg, device="cpu", progress=False)
+        mgr = manager_of(model)
+        assert mgr.cfg.nvme.direct_io is direct_io and mgr.disk.direct_io_active is (direct_io and hasattr(__import__("os"), "O_DIRECT"))
+        with torch.no_grad():
+            logits.append(model(torch.arange(12).view(1, 12)).logits)
+        assert mgr.stats().hits["nvme"] > 0
+    assert torch.equal(*logits)
