@@ -488,16 +488,33 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
         if source == "nvme":
             b.rings.append((id(pool), slot))
-        self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + src.numel()
-        if not self.timing:  # on the CPU copies run as they are queued: time them on the clock
+        self._count_read(source, src.numel(), t0)
+
+    def _count_read(self, source: str, nbytes: int, t0: float) -> None:
+        """Count bytes read up from ``source``; on the CPU, where copies run as they are queued,
+        also the time since ``t0`` on the clock."""
+        self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + nbytes
+        if not self.timing:
             self.stats_.stage_seconds += self.clock() - t0
+
+    def _mark_start(self, b: _Batch) -> None:
+        """With timing, an event on the copy stream before the batch's first read."""
+        if self.timing and b.start is None:
+            b.start = self.streams.event(timing=True)
+            b.start.record(self.copy_stream)
+
+    def _after_row(self, b: _Batch, pid: int, row: int) -> None:
+        """Order the copy stream after the last dequantization from a transit row (once per batch):
+        it must have read the row before a copy rewrites it."""
+        done = self.transit_done.get((pid, row))
+        if done is not None and not any(done is w for w in b.waited):
+            self.copy_stream.wait_event(done)
+            b.waited.append(done)
 
     def _stage_direct(self, b: _Batch, pool: SlotPool, slot: int, blob: Any, src: torch.Tensor) -> None:
         """Join the pool's open direct stack (the GPU will read ``src`` in place, on the copy
         stream, so every read of host memory stays ordered there)."""
-        if self.timing and b.start is None:
-            b.start = self.streams.event(timing=True)
-            b.start.record(self.copy_stream)
+        self._mark_start(b)
         g = b.groups.get(id(pool))
         if g is not None and (g.starts is None or g.precision != blob.precision or len(g.slots) >= self.STACK_EXPERTS):
             self._dequantize(b, b.groups.pop(id(pool)))
@@ -517,18 +534,13 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 self._dequantize(b, b.groups.pop(id(pool)))  # the open stack cannot grow: dequantize it now
             self.next_row[id(pool)] = (row + 1) % (pool.n_slots - self.hot_count[id(pool)])
         with self.streams.use(self.copy_stream):
-            if self.timing and b.start is None:
-                b.start = self.streams.event(timing=True)
-                b.start.record(self.copy_stream)
+            self._mark_start(b)
             self._check_pinned(src)
             if scheme.lossless:
                 blob.dequantize_views(self._views(blob, src), pool.tensors(slot))  # the H2D copies land straight in the slot
                 b.copied.setdefault(id(pool), (pool, []))[1].append(slot)
             else:
-                done = self.transit_done.get((id(pool), row))
-                if done is not None and not any(done is w for w in b.waited):
-                    self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
-                    b.waited.append(done)
+                self._after_row(b, id(pool), row)
                 self._transit_row(id(pool), row, src.numel()).copy_(src, non_blocking=True)
         if not scheme.lossless:
             g = b.groups.get(id(pool))
@@ -553,14 +565,9 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         width = transit.shape[1]
         t0 = self.clock()
         with self.streams.use(self.copy_stream):
-            if self.timing and b.start is None:
-                b.start = self.streams.event(timing=True)
-                b.start.record(self.copy_stream)
+            self._mark_start(b)
             for r in range(row0, row0 + k):
-                done = self.transit_done.get((pid, r))
-                if done is not None and not any(done is w for w in b.waited):
-                    self.copy_stream.wait_event(done)  # the last dequantization from this row must have read it
-                    b.waited.append(done)
+                self._after_row(b, pid, r)
             i = 0
             while i < k:
                 j = i + 1
@@ -571,10 +578,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 self._check_pinned(src)
                 transit[row0 + i : row0 + j].view(-1)[:nbytes].copy_(src, non_blocking=True)
                 i = j
-        moved = sum(src.numel() for src in srcs)
-        self.stats_.bytes_moved["cpu"] = self.stats_.bytes_moved.get("cpu", 0) + moved
-        if not self.timing:
-            self.stats_.stage_seconds += self.clock() - t0
+        self._count_read("cpu", sum(src.numel() for src in srcs), t0)
         self._dequantize(b, _Stack(pool, blob, blob.precision, row0, list(slots)))
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:

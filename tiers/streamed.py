@@ -143,7 +143,11 @@ class StreamedCalls:
 
     def wait_part(self, s: Stream, p: int) -> None:
         """Order the compute stream after part ``p``'s reads; call before its first kernel."""
-        self._wait_latest([w for w in (s.pool.take_ready(slot) for slot in s.slots(p)) if w is not None])
+        self._wait_slots(s.pool, s.slots(p))
+
+    def _wait_slots(self, pool: Any, slots: list[int]) -> None:
+        """Order the compute stream after the pending writes of held ``slots`` (one wait per stream)."""
+        self._wait_latest([w for w in (pool.take_ready(slot) for slot in slots) if w is not None])
 
     def end_part(self, s: Stream, p: int) -> None:
         """Part ``p``'s kernels are queued: its half may be read into again after them."""
@@ -155,7 +159,7 @@ class StreamedCalls:
         """The call's kernels are queued: give back the reserved slots (empty) and the held experts."""
         reserved = s.halves[0] + s.halves[1]
         # a part the call never waited on (it failed on the way) must land before the slots go back
-        self._wait_latest([w for w in (s.pool.take_ready(slot) for slot in reserved) if w is not None])
+        self._wait_slots(s.pool, reserved)
         ev = self.streams.event()
         ev.record(self.streams.current())
         for slot in reserved:
