@@ -3,6 +3,10 @@
     python bench/profile_arms.py [--model mixtral] [--layers 4] [--arms all_gpu,tiers_100_bf16,tiers_25_int8]
                             [--tokens 4] [--prefill 2048] [--out DIR] [--trace ARM]
 
+A Tiers arm is ``tiers_<gpu %>_<precision>``, optionally followed by ``+ahead<N>`` (prefetch depth N)
+and ``@skewed`` (routed by the skewed trace of ``tools/bench.py``, rebalancing every 8 tokens) or
+``@skewed_norebal`` (the same routing, rebalancer off).
+
 Builds a random-weight model of real shapes (``tools.measure``), packs it, and for each arm times
 decode (median of three (generate 1 + T) - (generate 1) differences) and then profiles one
 generate of ``--tokens`` tokens and one prefill. The engine's host-side steps are wrapped in
@@ -23,6 +27,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -38,7 +43,7 @@ BLOCKING = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchron
 
 def wrap_engine() -> None:
     """Name the engine's host steps in the profile (only in this script's process)."""
-    from tiers import engine, integration
+    from tiers import engine, integration, rebalance
 
     def named(owner, attr, label):
         fn = getattr(owner, attr)
@@ -49,11 +54,13 @@ def wrap_engine() -> None:
                 return fn(*a, **k)
         setattr(owner, attr, inner)
 
-    for attr in ("acquire_layer", "_stage", "_dequantize", "_close", "_fetch", "slot_map", "wait_all", "release_all", "begin_call", "pump", "count_static"):
+    for attr in ("acquire_layer", "_stage", "_dequantize", "_close", "_fetch", "slot_map", "wait_all", "release_all", "begin_call", "pump",
+                 "count_static", "_stage_direct", "_stage_copy", "_stage_copy_run", "fetch_stack", "take_direct_usage", "prefetch",
+                 "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "stage_ahead"):
         named(engine.TierManager, attr, f"tiers.{attr}")
-    for attr in ("_stage_direct", "_stage_copy", "fetch_stack"):
-        named(engine.TierManager, attr, f"tiers.{attr}")
-    for attr in ("_route", "_grouped_in_parts", "_sorted_by_slot", "_run_windows", "_chunks"):
+    for attr in ("note_call", "land", "rebalance", "_issue", "_finish_hot", "_finish_warm"):
+        named(rebalance.Rebalancer, attr, f"tiers.rebalance.{attr}")
+    for attr in ("_route", "_grouped_in_parts", "_grouped_streamed", "_sorted_by_slot", "_run_windows", "_chunks"):
         named(integration, attr, f"tiers.{attr}")
     named(integration, "grouped_mm_experts_forward", "tiers.grouped_mm")
 
@@ -142,6 +149,14 @@ def main() -> int:
     wrap_engine()
 
     def one(name, m):
+        from tools.routing import TraceRouting
+
+        if "@skewed" in name:  # as tools/bench.py routes its skewed arms
+            with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=max(4096, 2 * args.prefill)):
+                return profiled(name, m)
+        return profiled(name, m)
+
+    def profiled(name, m):
         kw = dict(do_sample=False, pad_token_id=0)
         m.generate(prompt, max_new_tokens=16, min_new_tokens=16, **kw)  # warm-up
         row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, 8, device, 1) for _ in range(3))}
@@ -186,12 +201,18 @@ def main() -> int:
     pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
     shutil.rmtree(work / "hf", ignore_errors=True)
     for name in [a for a in arms if a.startswith("tiers_")]:
-        _, pct, precision = name.split("_")
+        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(?:\+ahead(\d))?(@skewed(?:_norebal)?)?", name)
+        if arm is None:
+            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[+ahead<N>][@skewed[_norebal]])")
+        pct, precision, depth, skewed = arm.groups()
         slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
-        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100, "staging_slots": slots}, "cpu": {"budget": expert_bytes, "precision": precision},
-                         "nvme": {"precision": precision}}}
+        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100, "staging_slots": slots, "prefetch_depth": int(depth or 0)},
+                         "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
+                         "rebalance": {"every_tokens": 8 if skewed == "@skewed" else 0}}}
         m = tiers.load(work / "packed", cfg, device=device, progress=False)
         one(name, m)
+        st = manager_of(m).stats()
+        summary["arms"][name]["tiers"] = {"hits": st.hits, "misses": st.misses, "rebalance": st.rebalance, "streamed": st.streamed}
         manager_of(m).close()
         del m
         torch.cuda.empty_cache() if device.type == "cuda" else None
