@@ -65,6 +65,11 @@ def wrap_engine() -> None:
     named(integration, "grouped_mm_experts_forward", "tiers.grouped_mm")
 
 
+def safe(name: str) -> str:
+    """An arm's name as a file name of letters, digits, ``_`` and ``-`` only."""
+    return re.sub(r"[^A-Za-z0-9_]+", "-", name)
+
+
 def summarize(prof, wall_s: float) -> dict:
     """Device busy time by kind (kernels, H2D copies), and host time in blocking or launch calls."""
     kernels = copies = 0.0
@@ -181,14 +186,14 @@ def main() -> int:
             if name in traced:
                 raw = work / f"trace-{name}-{phase}.json"
                 prof.export_chrome_trace(str(raw))
-                with open(raw, "rb") as f, gzip.open(out / f"trace-{args.model}-{name}-{phase}.json.gz", "wb") as z:
+                with open(raw, "rb") as f, gzip.open(out / f"trace-{args.model}-{safe(name)}-{phase}.json.gz", "wb") as z:
                     shutil.copyfileobj(f, z)
         if args.cprofile:
             text += ["\n## decode under cProfile (Python functions; cProfile's own cost inflates small ones)\n"]
             text += python_profile(lambda: m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw), device)
             text += ["\n## prefill under cProfile\n"]
             text += python_profile(lambda: m(ids), device)
-        (out / f"profile-{args.model}-{name}.txt").write_text("\n".join(text) + "\n")
+        (out / f"profile-{args.model}-{safe(name)}.txt").write_text("\n".join(text) + "\n")
         summary["arms"][name] = row
         print(name, json.dumps(row), flush=True)
 

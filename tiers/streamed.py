@@ -40,14 +40,17 @@ class Stream:
 
     layer: int
     pool: Any
-    held: list  # Handles of the experts resident when the call began (part 0)
-    parts: list[list[int]]  # the misses, in parts of at most ``len(halves[0])``
-    halves: tuple[list[int], list[int]]  # the reserved slots: part p reads into halves[p % 2]
+    held: list  # Handles of the experts resident in hot or otherwise held slots (run first)
+    parts: list[list[int]]  # the call's other experts, part p in slots of halves[p % 2]
+    part_slots: list[list[int]]  # each part's slots, in the part's order
+    halves: tuple[list[int], list[int]]  # the reserved slots
+    preloaded: frozenset[int]  # experts of parts 0 and 1 whose bytes are in their slot already (no read)
     freed: list = field(default_factory=list)  # per half: the event its last reader's kernels were queued before
+    ended: int = 0  # parts whose kernels are queued (end_part)
 
     def slots(self, p: int) -> list[int]:
-        """The slots part ``p``'s misses are read into, in the part's order."""
-        return self.halves[p % 2][: len(self.parts[p])]
+        """The slots part ``p``'s experts are in (or read into), in the part's order."""
+        return self.part_slots[p]
 
 
 class StreamedCalls:
@@ -58,10 +61,13 @@ class StreamedCalls:
     def begin_stream(self, layer: int, experts: list[int]) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the
         call does not qualify (a miss on disk, a routing trace recorded, fewer than two free
-        staging slots, or misses that fit half of them), holding nothing then. The call's experts
-        cached in free staging slots stay resident (part 0) as long as at least half the free
-        slots are left to reserve; the others are read again, like misses, so a call whose experts
-        fill the cache still streams in parts of a quarter of the free slots or more."""
+        staging slots, or misses that fit half of them), holding nothing then.
+
+        Every unheld staging slot is reserved and split into two halves. The call's experts
+        cached in those slots (read ahead by lookahead, or left by an earlier call) stay where
+        they are, without a read: they open parts 0 and 1 in the half their slot is in, and leave
+        the cache (reserved slots hold none). The misses fill those parts' other slots, then go in
+        parts of a half each. Experts in hot or otherwise held slots are held and run first."""
         if not self.streamed_calls or self.recorded is not None:
             return None
         self.drain()  # read-aheads hold their slots until they land (or fail, leaving their expert out)
@@ -70,28 +76,53 @@ class StreamedCalls:
         if any(r.slot is None and r.home is not Home.CPU for r in rows):
             return None
         hot = self.hot_count[id(pool)]
-        free = sum(1 for s in range(hot, pool.n_slots) if pool.readers[s] == 0)
-        # the call's experts cached in free staging slots stay (part 0) while half the free slots
-        # remain to stream through; the others are read again like misses
-        cached = [e for e, r in zip(experts, rows) if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0]
-        dropped = set(cached[max(0, free - 2 * max(1, free // 4)) :])
-        misses = [e for e, r in zip(experts, rows) if r.slot is None or e in dropped]
-        half = (free - len(cached) + len(dropped)) // 2
+        free = [s for s in range(hot, pool.n_slots) if pool.readers[s] == 0]
+        half = len(free) // 2
+        cached = {r.slot: e for e, r in zip(experts, rows) if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0}
+        misses = [e for e, r in zip(experts, rows) if r.slot is None]
         if half < 1 or len(misses) <= half:
             return None
-        held = [self.try_acquire(ExpertKey(layer, e)) for e, r in zip(experts, rows) if r.slot is not None and e not in dropped]
-        reserved = [s for s in range(hot, pool.n_slots) if pool.readers[s] == 0][: 2 * half]
+        # the cached experts' slots first, so they fall in as few halves as the count allows
+        ordered = sorted(free, key=lambda s: (s not in cached, s))[: 2 * half]
+        halves = (sorted(ordered[:half]), sorted(ordered[half:]))
+        misses += [e for slot, e in cached.items() if slot not in ordered]  # an odd slot out: read again
+        held = [self.try_acquire(ExpertKey(layer, e)) for e, r in zip(experts, rows) if r.slot is not None and r.slot not in cached]
         compute = self.streams.current()
-        for s in reserved:
-            if pool.owner[s] is not None:
-                self.drop_staged(pool, s)
+        parts, part_slots = [], []
+        for h in halves:
+            pre = [s for s in h if s in cached]
+            for s in pre:
+                self._take_cached(pool, s)
+            rest = [s for s in h if s not in cached][: len(misses)]
+            parts.append([cached[s] for s in pre] + misses[: len(rest)])
+            part_slots.append(pre + rest)
+            misses = misses[len(rest) :]
+        while misses:
+            h = halves[len(parts) % 2]
+            parts.append(misses[: len(h)])
+            part_slots.append(h[: len(parts[-1])])
+            misses = misses[len(h) :]
+        for s in ordered:
             pool.hold(s)
-            pool.wait_ready(s, compute)  # a write still queued lands before this call's
+            if s not in cached:
+                if pool.owner[s] is not None:
+                    self.drop_staged(pool, s)
+                pool.wait_ready(s, compute)  # a write still queued lands before this call's
         start = self.streams.event()
         start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it
-        parts = [misses[i : i + half] for i in range(0, len(misses), half)]
+        assert all(parts), "more misses than half the slots: parts 0 and 1 both serve some"
         self.stats_.streamed_calls += 1
-        return Stream(layer, pool, held, parts, (reserved[:half], reserved[half:]), [start, start])
+        return Stream(layer, pool, held, parts, part_slots, halves, frozenset(cached[s] for s in ordered if s in cached), [start, start])
+
+    def _take_cached(self, pool: Any, slot: int) -> None:
+        """A cached expert of a streamed call is used where it is, and leaves the cache: counted as
+        a lookup served from the GPU (a used read-ahead), as ``try_acquire`` would count it."""
+        key = pool.owner[slot]
+        self.cache[id(pool)].access(key)
+        self.stats_.lookup("gpu")
+        if self.prefetched.pop(key, None) is not None:
+            self.stats_.prefetch_used += 1
+        self.drop_staged(pool, slot)
 
     def stage_ahead(self, layer: int, tokens: int, top_k: int, limit: int) -> int:
         """After a streamed call of ``tokens`` tokens at ``layer`` (``stream_ahead`` on): stage the
@@ -115,23 +146,26 @@ class StreamedCalls:
     def stream_part(self, s: Stream, p: int) -> None:
         """Queue the reads of part ``p``'s misses into its half, after that half's last kernels."""
         pool, lru = s.pool, self.cache[id(s.pool)]
+        reads = [(e, slot) for e, slot in zip(s.parts[p], s.slots(p)) if e not in s.preloaded]
+        self.stats_.streamed_parts += 1
+        if not reads:
+            return
         self.copy_stream.wait_event(s.freed[p % 2])
         assert self._batch is None, "a streamed part is read inside another staging batch"
-        slots = s.slots(p)
         with self.staging():  # one batch: the part's stacks and ready events
             fetched = []
-            for e, slot in zip(s.parts[p], slots):
+            for e, slot in reads:
                 key = ExpertKey(s.layer, e)
                 lru.access(key)  # the policy counts every lookup
                 fetched.append((key, *self._fetch(key, self.table[key], pool, slot)))
                 self.stats_.lookup(fetched[-1][2])
+            slots = [slot for _, slot in reads]
             blob = self.manifest.blob(fetched[0][0], fetched[0][1])
             if all(source == "cpu" for _, _, source, _ in fetched) and self._runs_copy(pool, blob):
                 self._stage_copy_run(self._batch, pool, blob, slots, [src for *_, src in fetched])
             else:
                 for (key, precision, source, src), slot in zip(fetched, slots):
                     self._queue_read(self._batch, key, pool, slot, precision, source, src, direct=self.stream_direct)
-        self.stats_.streamed_parts += 1
 
     def _runs_copy(self, pool: Any, blob: Any) -> bool:
         """A part's misses go up as one stack (``_stage_copy_run``): lossy, stackable, small (the
@@ -154,14 +188,19 @@ class StreamedCalls:
         ev = self.streams.event()
         ev.record(self.streams.current())
         s.freed[p % 2] = ev
+        s.ended = p + 1
 
     def end_stream(self, s: Stream) -> None:
-        """The call's kernels are queued: give back the reserved slots (empty) and the held experts."""
-        reserved = s.halves[0] + s.halves[1]
-        # a part the call never waited on (it failed on the way) must land before the slots go back
-        self._wait_slots(s.pool, reserved)
-        ev = self.streams.event()
-        ev.record(self.streams.current())
-        for slot in reserved:
-            s.pool.end_read_at(slot, ev)
+        """The call's kernels are queued: give back the reserved slots (empty) and the held
+        experts. Each half's last read is its last part's kernels, so a read into the half the
+        last part did not use need not wait for that part; a call that failed on the way gives
+        every slot back after whatever it queued, once a part it never waited on has landed."""
+        if s.ended < len(s.parts):
+            self._wait_slots(s.pool, s.halves[0] + s.halves[1])
+            ev = self.streams.event()
+            ev.record(self.streams.current())
+            s.freed = [ev, ev]
+        for half, ev in zip(s.halves, s.freed):
+            for slot in half:
+                s.pool.end_read_at(slot, ev)
         self.release_all(s.held)

@@ -112,19 +112,28 @@ def test_streamed_int8_equals_the_general_path(direct, device, packed_factory):
     _assert_consistent(mgr)
 
 
-def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels(packed_factory):
+@pytest.mark.parametrize("ahead", [0, 1, 3])
+def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels(ahead, packed_factory):
     """Recording streams: part p's reads come after the copy stream waited on the event recorded
     after part p - 2's kernels (the same half) and before the compute stream's wait for them,
-    which precedes part p's kernels; parts alternate between two disjoint halves."""
+    which precedes part p's kernels; parts alternate between two disjoint halves. With ``ahead``
+    of the call's experts read ahead into staging slots first, those are not read again: they
+    open parts 0 and 1, and the compute stream waits on their read-ahead before those kernels."""
     from test_engine import _recorded_manager
 
     mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+    warm = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].pinned]
+    assert mgr.prefetch(layer, warm[-ahead:] if ahead else [], None) == ahead
+    pool = mgr.pool_of[layer]
+    pre_ready = {mgr.table[ExpertKey(layer, e)].slot: pool.ready[mgr.table[ExpertKey(layer, e)].slot] for e in warm[-ahead:]} if ahead else {}
     reads = mgr._queue_read
     mgr._queue_read = lambda b, key, pool, slot, *a, **kw: rec.order.append(("read", slot, key)) or reads(b, key, pool, slot, *a, **kw)
-    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
     s = mgr.begin_stream(layer, list(range(8)))
     assert s is not None and len(s.parts) >= 3, "the test needs three parts or more"
     assert not set(s.halves[0]) & set(s.halves[1])
+    assert s.preloaded == set(warm[-ahead:] if ahead else []) and s.preloaded <= set(s.parts[0] + s.parts[1])
+    assert sorted(e for part in s.parts for e in part) == warm and not s.held or all(mgr.table[h.key].pinned for h in s.held)
     kernels = {}
     mgr.stream_part(s, 0)
     mgr.wait_all(s.held)
@@ -139,8 +148,16 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
     order = rec.order
     compute = mgr.streams.current()
     for p, part in enumerate(s.parts):
+        for e, slot in zip(part, s.slots(p)):
+            if e in s.preloaded:  # no read; its read-ahead (or a later event on that stream) is waited on before the part's kernels
+                at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is pre_ready[slot])
+                later = {id(o[2]) for o in order[at:] if o[0] == "record" and o[1] is order[at][1]}
+                assert any(o[0] == "wait" and o[1] is compute and id(o[2]) in later for o in order[at:kernels[p]]), f"part {p}, slot {slot}"
+        part = [e for e in part if e not in s.preloaded]
+        if not part:
+            continue
         at = [i for i, o in enumerate(order) if o[0] == "read" and o[2] in {ExpertKey(layer, e) for e in part}]
-        assert len(at) == len(part) and {order[i][1] for i in at} == set(s.slots(p))
+        assert len(at) == len(part) and {order[i][1] for i in at} == {sl for e, sl in zip(s.parts[p], s.slots(p)) if e in part}
         if p >= 2:
             freed = next(o[2] for o in order[kernels[p - 2]:] if o[0] == "record" and o[1] is compute)
             assert any(o[0] == "wait" and o[1] is mgr.copy_stream and o[2] is freed for o in order[kernels[p - 2]:at[0]]), f"part {p}"
@@ -148,7 +165,32 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
         waits = [o[2] for o in order[at[-1]:kernels[p]] if o[0] == "wait" and o[1] is compute]
         recorded_after = {id(o[2]) for o in order[at[-1]:kernels[p]] if o[0] == "record"}
         assert any(id(ev) in recorded_after for ev in waits), f"part {p}: kernels do not wait for its reads"
+    # each half goes back with the event recorded right after its last part's kernels
+    for h, half in enumerate(s.halves):
+        last = max(p for p in range(len(s.parts)) if p % 2 == h)
+        after = next(o[2] for o in order[kernels[last]:] if o[0] == "record" and o[1] is compute)
+        assert all(pool.last_read[slot] is after for slot in half), f"half {h}"
     assert all(r == 0 for p_ in mgr.pools for r in p_.readers)
+
+
+def test_a_streamed_call_that_fails_gives_its_slots_back_after_its_reads(packed_factory):
+    """A call that stops after queuing part 0's reads, before its kernels: every reserved slot
+    goes back with one last-read event recorded after the compute stream waited on those reads."""
+    from test_engine import _recorded_manager
+
+    mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+    s = mgr.begin_stream(layer, list(range(8)))
+    pool, compute = mgr.pool_of[layer], mgr.streams.current()
+    mgr.stream_part(s, 0)
+    read_events = {id(pool.ready[slot]) for slot in s.slots(0)}
+    start = len(rec.order)
+    mgr.end_stream(s)
+    tail = rec.order[start:]
+    waited = next(i for i, o in enumerate(tail) if o[0] == "wait" and o[1] is compute and id(o[2]) in read_events)
+    ev = next(o[2] for o in tail[waited:] if o[0] == "record" and o[1] is compute)
+    assert all(pool.last_read[slot] is ev for slot in s.halves[0] + s.halves[1])
+    assert all(r == 0 for r in pool.readers)
 
 
 @pytest.mark.parametrize("case", ["cold", "recorded", "fits", "off"])
@@ -334,20 +376,23 @@ def test_stage_ahead_needs_a_call_long_enough_to_cover_the_next_layer(packed_fac
     assert mgr.stage_ahead(layers[-1], 64, 1, 2) == 0, "no layer after the last"
 
 
-def test_a_call_whose_experts_fill_the_cache_still_streams(device, packed_factory):
+def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(device, packed_factory):
     """The general path leaves every staging slot holding an expert of the call; the same call
-    streamed then keeps some as part 0 but reserves at least half the free slots, reads the rest
-    again, and matches the general path's output."""
+    streamed then reserves every staging slot, reads only the experts not cached (the cached ones
+    count as GPU hits), leaves the cache empty, and matches the general path's output."""
     model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16", fraction=0.25), device=device, progress=False)
     mgr = manager_of(model)
     layer, _, mod, x, idx, w = next(c for c in _calls(model, 64, seed=7) if c[0] not in mgr.static_maps)
     pool = mgr.pool_of[layer]
-    staging = pool.n_slots - mgr.hot_count[id(pool)]
+    hot = mgr.hot_count[id(pool)]
+    staging = pool.n_slots - hot
     mgr.streamed_calls = False
     with torch.no_grad():
         want = mod(x, idx, w)
-    cached = [s for s in range(mgr.hot_count[id(pool)], pool.n_slots) if pool.owner[s] is not None and pool.owner[s].layer == layer]
+    cached = {pool.owner[s] for s in range(hot, pool.n_slots) if pool.owner[s] is not None and pool.owner[s].layer == layer}
     assert len(cached) == staging, "the general path must leave the call's experts in every staging slot"
+    used = {ExpertKey(layer, e) for e in idx.unique().tolist()}
+    read = [k for k in used if not mgr.table[k].pinned and k not in cached]
     mgr.streamed_calls = True
     begin, plans = mgr.begin_stream, []
     mgr.begin_stream = lambda *a: plans.append(begin(*a)) or plans[-1]
@@ -355,8 +400,12 @@ def test_a_call_whose_experts_fill_the_cache_still_streams(device, packed_factor
     with torch.no_grad():
         got = mod(x, idx, w)
     s = plans[0]
-    assert s is not None and 2 * len(s.halves[0]) >= staging // 2, "at least half the free slots are reserved"
-    assert len([h for h in s.held if not mgr.table[h.key].pinned]) <= staging // 2
-    assert mgr.stats().streamed["calls"] == 1
+    assert s is not None and len(s.halves[0]) + len(s.halves[1]) == staging // 2 * 2
+    assert s.preloaded == {k.expert for k in cached} and all(mgr.table[h.key].pinned for h in s.held)
+    st = mgr.stats()
+    assert st.streamed["calls"] == 1
+    assert st.bytes_moved.get("cpu", 0) == sum(mgr.manifest.ref(k, "bf16").nbytes for k in read), "a cached expert was read again"
+    assert st.hits["gpu"] == len(used) - len(read) and st.misses["gpu"] == len(read)
+    assert all(pool.owner[s] is None for s in range(hot, pool.n_slots)), "reserved slots hold no cache"
     _assert_close(want, got, device, f"layer {layer}")
     _assert_consistent(mgr)
