@@ -103,10 +103,10 @@ class StreamedCalls:
             part_slots.append(h[: len(parts[-1])])
             misses = misses[len(h) :]
         for s in ordered:
+            if s not in cached and pool.owner[s] is not None:
+                self.drop_staged(pool, s)
             pool.hold(s)
             if s not in cached:
-                if pool.owner[s] is not None:
-                    self.drop_staged(pool, s)
                 pool.wait_ready(s, compute)  # a write still queued lands before this call's
         start = self.streams.event()
         start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it

@@ -376,6 +376,31 @@ def test_stage_ahead_needs_a_call_long_enough_to_cover_the_next_layer(packed_fac
     assert mgr.stage_ahead(layers[-1], 64, 1, 2) == 0, "no layer after the last"
 
 
+def test_a_streamed_call_empties_slots_cached_by_another_layer(device, packed_factory):
+    """Staging slots holding another layer's experts (left by a short call) are emptied and
+    reserved; those experts leave the GPU, and the output matches the general path's."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16", fraction=0.25), device=device, progress=False)
+    mgr = manager_of(model)
+    calls = [c for c in _calls(model, 64, seed=5) if c[0] not in mgr.static_maps]
+    (first, _, mod1, x1, idx1, w1), (layer, _, mod, x, idx, w) = calls[:2]
+    pool = mgr.pool_of[layer]
+    hot = mgr.hot_count[id(pool)]
+    mgr.streamed_calls = False
+    with torch.no_grad():
+        want = mod(x, idx, w)
+        mod1(x1[:2], idx1[:2], w1[:2])  # a short call: its misses stay cached
+    others = [pool.owner[s] for s in range(hot, pool.n_slots) if pool.owner[s] is not None and pool.owner[s].layer == first]
+    assert others, "the short call must leave experts of its layer cached"
+    mgr.streamed_calls = True
+    mgr.reset_stats()
+    with torch.no_grad():
+        got = mod(x, idx, w)
+    assert mgr.stats().streamed["calls"] == 1
+    assert all(mgr.table[k].slot is None for k in others)
+    _assert_close(want, got, device, f"layer {layer}")
+    _assert_consistent(mgr)
+
+
 def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(device, packed_factory):
     """The general path leaves every staging slot holding an expert of the call; the same call
     streamed then reserves every staging slot, reads only the experts not cached (the cached ones
