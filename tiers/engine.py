@@ -187,6 +187,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._warm_views: dict[tuple[int, int], torch.Tensor] = {}  # (host offset, bytes) -> that view of the pool
         self._transit_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (pool id, row, bytes) -> that row's first bytes
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device, shape) -> prepared field views
+        self._stack_view_cache: dict[tuple, tuple[dict, dict]] = {}  # (pool id, blob layout, row, first slot, k) -> a stack's views
         self.stats_ = StatsCollector()
         # generate's decode stage (see integration.load): True while it runs, when this device
         # follows transformers' switch from grouped_mm to batched_mm for decode (not on the CPU)
@@ -602,9 +603,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self.dequant_stream.wait_event(landed)
             if k > 1 and scheme.stacks and g.slots == list(range(s0, s0 + k)):
                 # slots in a row: one launch per tensor, from the stacked transit rows into that row of the slabs
-                rows = self.transit[id(pool)][g.row : g.row + k, : g.blob.nbytes]  # [k, bytes]
-                out = {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()}
-                for name, q in self._views(g.blob, rows).items():
+                views, out = self._stack_views(pool, g.blob, g.row, s0, k)
+                for name, q in views.items():
                     scheme.dequantize(q, out=out[name])
             else:
                 for i, slot in enumerate(g.slots):
@@ -619,6 +619,16 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         b.last = ready
         if not self.timing:
             self.stats_.stage_seconds += self.clock() - t0
+
+    def _stack_views(self, pool: SlotPool, blob: Any, row: int, s0: int, k: int) -> tuple[dict, dict]:
+        """A stack's quantized views of transit rows ``[row, row + k)`` and its slabs' slots
+        ``[s0, s0 + k)`` (made once per place: both are fixed buffers)."""
+        key = (id(pool), id(blob), row, s0, k)
+        got = self._stack_view_cache.get(key)
+        if got is None:
+            rows = self.transit[id(pool)][row : row + k, : blob.nbytes]  # [k, bytes]
+            got = self._stack_view_cache[key] = (self._views(blob, rows), {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()})
+        return got
 
     def _transit_row(self, pid: int, row: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of a transit row (a view made once)."""
@@ -658,6 +668,25 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
     def upload_ints(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as an int32 (or int64) tensor on the device, through the pinned ring (no host sync)."""
         return self._upload(*self._pinned_ints(values, dtype))
+
+    def upload_int_lists(self, lists: list[list[int]]) -> list[torch.Tensor]:
+        """Each list as an int32 tensor on the device, packed into as few uploads as the pinned
+        buffers hold (each list must fit one, as for ``upload_ints``)."""
+        room = self._arrays_of[torch.int32][0].shape[0]
+        out: list[torch.Tensor] = []
+        i = 0
+        while i < len(lists):
+            j, n = i + 1, len(lists[i])
+            while j < len(lists) and n + len(lists[j]) <= room:
+                n += len(lists[j])
+                j += 1
+            up = self.upload_ints([v for vs in lists[i:j] for v in vs])
+            at = 0
+            for vs in lists[i:j]:
+                out.append(up[at : at + len(vs)])
+                at += len(vs)
+            i = j
+        return out
 
     def _pinned_ints(self, values: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
         """``values`` in the next pinned buffer of the ring: that buffer's view, and its index (the

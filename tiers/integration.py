@@ -364,7 +364,10 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
             groups.append([(slot, counts[e]) for e, slot in zip(part, slots)])
             for e, slot in zip(part, slots):
                 key_of[e] = (p + 1) * n_slots + slot
-        keys = mgr.upload_ints(key_of)[top_k_index.reshape(-1)]  # [T*k]
+        # every part's windows from the host-side counts, their offsets uploaded with the keys
+        windows = [_windows(sorted((slot, n) for slot, n in g if n)) for g in groups]
+        key_map, *offsets = mgr.upload_int_lists([key_of] + [[o for w in ws for o in w["offs"]] for ws in windows])
+        keys = key_map[top_k_index.reshape(-1)]  # [T*k]
         sorted_keys, order = torch.sort(keys, stable=True)
         routed = sum(counts[e] for e in hit)
         order = order[:routed]  # rows by (part, slot)
@@ -373,24 +376,22 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
         proxy = _proxy(self, s.pool.slabs, n_slots)
         outs, row = [], 0
 
-        def run(slot_rows: list[tuple[int, int]]) -> None:
+        def run(i: int) -> None:
             nonlocal row
-            windows = _windows(sorted((slot, n) for slot, n in slot_rows if n))
-            if not windows:
+            if not windows[i]:
                 return
-            n = windows[-1]["b"]
-            offsets = mgr.upload_ints([o for w in windows for o in w["offs"]])
-            outs.append(_run_windows(proxy, xs[row : row + n], windows, offsets, None if slot_ids is None else slot_ids[row : row + n]))
+            n = windows[i][-1]["b"]
+            outs.append(_run_windows(proxy, xs[row : row + n], windows[i], offsets[i], None if slot_ids is None else slot_ids[row : row + n]))
             row += n
 
         mgr.stream_part(s, 0)
         mgr.wait_all(s.held)
-        run(groups[0])
+        run(0)
         for p in range(len(s.parts)):
             if p + 1 < len(s.parts):
                 mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
             mgr.wait_part(s, p)
-            run(groups[p + 1])
+            run(p + 1)
             mgr.end_part(s, p)
         y = (outs[0] if len(outs) == 1 else torch.cat(outs)) * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [routed, H]
         out = torch.zeros(top_k_index.numel(), y.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, order, y)  # [T*k, H]

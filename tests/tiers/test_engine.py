@@ -192,6 +192,20 @@ def test_upload_ints_is_exact_and_never_aliases_the_ring(packed_factory, device)
         assert t.device.type == device.type and t.dtype == torch.int32 and t.cpu().tolist() == want
 
 
+def test_upload_int_lists_packs_lists_into_the_fewest_uploads(packed_factory, device):
+    """Lists go up in order, exact, several per pinned buffer while they fit, a new upload when
+    the next would not (here: 3 uploads for 2 + 1 + 2 lists)."""
+    mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
+    room = 2 * len(mgr.maps[0])  # int32 entries per pinned buffer
+    sizes = [room // 3, room // 3, room - 1, 1, room // 2, room // 2]
+    lists = [[i * 1000 + j for j in range(n)] for i, n in enumerate(sizes)]
+    uploads, upload = [], mgr.upload_ints
+    mgr.upload_ints = lambda v, *a: uploads.append(len(v)) or upload(v, *a)
+    got = mgr.upload_int_lists(lists)
+    assert [t.cpu().tolist() for t in got] == lists and all(t.dtype == torch.int32 and t.device.type == device.type for t in got)
+    assert uploads == [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5]]
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.integers(0, 300), st.integers(1, 5), min_size=1, max_size=40), st.integers(1, 20))
 def test_windows_partition_the_rows_and_keep_every_slot_at_its_offset(slot_rows, gap):
