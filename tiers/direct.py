@@ -75,6 +75,8 @@ class DirectDecoder:
         self._stack_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._direct_layers: dict[int, _DirectLayer] | None = None  # built at the first decode stage
         self._direct_version = -1  # the residency table's homes_version the tables were built at
+        # layer -> the table's layer version its tables were built at, and their host lists (starts, resident)
+        self._direct_host: dict[int, tuple[int, list[int], list[int]]] = {}
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
         self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
@@ -112,35 +114,38 @@ class DirectDecoder:
         self.stats_.direct_stacks += 1
         return ready
 
-    def _direct_qualifies(self, layer: int) -> bool:
-        if layer in self.static_maps:
-            return False
-        entry = self.manifest.layers[layer]
-        blob = entry.blobs.get(self.cfg.cpu.precision)
-        if blob is None or self.direct_tensors(self.pool_of[layer], blob) is None:
-            return False
-        return all(self.table[ExpertKey(layer, e)].pinned or self.table[ExpertKey(layer, e)].home is Home.CPU
-                   for e in range(entry.layout.num_experts))
-
     def _build_direct(self) -> dict[int, _DirectLayer]:
+        """The direct tables of every layer that qualifies (not static, its cpu precision decoded in
+        place, every expert hot or warm). A layer whose tables did not change since the last build
+        keeps its tensors; a changed one gets new tensors (kernels queued earlier keep reading the
+        tables they were given), uploaded through the pinned ring, without a host sync."""
         out: dict[int, _DirectLayer] = {}
         precision = self.cfg.cpu.precision
+        built = self._direct_layers or {}
         for layer, entry in self.manifest.layers.items():
-            if not self._direct_qualifies(layer):
-                continue
+            blob = entry.blobs.get(precision)
             pool = self.pool_of[layer]
+            if layer in self.static_maps or blob is None or self.direct_tensors(pool, blob) is None:
+                continue
+            version = self.table.layer_versions.get(layer, 0)
+            if layer in built and self._direct_host[layer][0] == version:
+                out[layer] = built[layer]  # no expert of the layer changed home since
+                continue
             rows = [self.table[ExpertKey(layer, e)] for e in range(entry.layout.num_experts)]
+            if not all(r.pinned or r.home is Home.CPU for r in rows):
+                continue
             starts = [0 if r.pinned else r.host_offset for r in rows]
             resident = [r.slot if r.pinned else -1 for r in rows]
-            blob = entry.blobs[precision]
-            tensors = self.direct_tensors(pool, blob)
+            if layer in built and self._direct_host[layer][1:] == (starts, resident):
+                out[layer] = built[layer]
+                self._direct_host[layer] = (version, starts, resident)
+                continue
+            self._direct_host[layer] = (version, starts, resident)
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
             usage = None if self._usage is None else self._usage[self._layer_row[layer], : entry.layout.num_experts]
-            # new tensors, not a rewrite: kernels queued earlier keep reading the tables they were given
-            out[layer] = _DirectLayer(torch.tensor(starts, dtype=torch.int64, device=self.device),
-                                      torch.tensor(resident, dtype=torch.int32, device=self.device), tensors, pool,
-                                      counts, usage)
+            out[layer] = _DirectLayer(self.upload_ints(starts, torch.int64), self.upload_ints(resident), self.direct_tensors(pool, blob),
+                                      pool, counts, usage)
         self._direct_version = self.table.homes_version
         return out
 

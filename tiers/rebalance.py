@@ -24,6 +24,7 @@ all hot (served through static maps, without routing on the host) are left alone
 """
 from __future__ import annotations
 
+import heapq
 from collections import Counter, deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -77,7 +78,7 @@ class Move:
 class GroupState:
     """One slot pool's experts as the planner sees them."""
 
-    keys: tuple[ExpertKey, ...]  # every expert the rebalancer may move (static layers excluded)
+    keys: tuple[ExpertKey, ...] | frozenset[ExpertKey]  # every expert the rebalancer may move (static layers excluded)
     hot: frozenset[ExpertKey]
     warm: frozenset[ExpertKey]
     free_places: int  # warm places nobody holds
@@ -88,31 +89,44 @@ def _better(new: float, old: float, margin: float) -> bool:
     return new > old * (1.0 + margin) and new >= old + 1
 
 
+def _least(keys: Iterable[ExpertKey], freq: Counter, n: int) -> list[ExpertKey]:
+    """The ``n`` least used of ``keys``, ascending by (uses, key): those never used first, by key."""
+    keys = list(keys)
+    unused = [k for k in keys if not freq.get(k)]
+    if len(unused) >= n:
+        return heapq.nsmallest(n, unused)
+    return sorted(unused) + heapq.nsmallest(n - len(unused), (k for k in keys if freq.get(k)), key=lambda k: (freq[k], k))
+
+
 def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: float) -> list[Move]:
     """Promote the most used experts into the hot set and the warm pool, replacing the least used,
     a newcomer only when used ``margin`` more often than what it replaces (no churn on noise).
-    At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic."""
-    desc = lambda ks: sorted(ks, key=lambda k: (-freq[k], k))  # noqa: E731
-    asc = lambda ks: sorted(ks, key=lambda k: (freq[k], k))  # noqa: E731
+    At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic.
+
+    Only used experts can be newcomers (a move needs one use more than what it replaces), and at
+    most ``max_moves`` experts are replaced per tier, so the plan sorts the used experts and picks
+    the least used hot and warm ones without sorting the group."""
+    keys = group.keys if isinstance(group.keys, (set, frozenset)) else frozenset(group.keys)
+    # (-uses, key) of the used experts that are neither hot nor busy: the newcomers to choose from
+    used = [(-n, k) for k, n in freq.items() if n > 0 and k in keys and k not in group.hot and k not in group.busy]
     moves: list[Move] = []
     hot = set(group.hot)
-    candidates = desc(k for k in group.keys if k not in hot and k not in group.busy)
-    for new, old in zip(candidates, asc(k for k in group.hot if k not in group.busy)):
+    for (_, new), old in zip(heapq.nsmallest(max_moves, used), _least(group.hot - group.busy, freq, max_moves)):
         if len(moves) >= max_moves or not _better(freq[new], freq[old], margin):
             break
         moves.append(Move(new, Home.GPU, old))
         hot.discard(old)
         hot.add(new)
     promoted = {m.key for m in moves}
-    warm = [k for k in group.warm if k not in promoted]
     free = group.free_places  # places freed by promotions from warm only free up when those land
     # Experts hot now stay out even when demoted by this plan: they are hot until their swap lands.
-    outside = hot | group.hot | group.warm | group.busy
-    candidates = [k for k in desc(k for k in group.keys if k not in outside) if freq[k] > 0]
+    outside = promoted | group.warm
+    candidates = [k for _, k in heapq.nsmallest(min(free, max_moves) + max_moves, (t for t in used if t[1] not in outside))]
     warm_moves: list[Move] = []
     for new in candidates[: min(free, max_moves)]:
         warm_moves.append(Move(new, Home.CPU, None))
-    for new, old in zip(candidates[len(warm_moves):], asc(k for k in warm if k not in group.busy)):
+    warm = (k for k in group.warm if k not in promoted and k not in group.busy)
+    for new, old in zip(candidates[len(warm_moves):], _least(warm, freq, max_moves - len(warm_moves))):
         if len(warm_moves) >= max_moves or not _better(freq[new], freq[old], margin):
             break
         warm_moves.append(Move(new, Home.CPU, old))
@@ -167,6 +181,7 @@ class Rebalancer:
         self.warm_reads: dict[ExpertKey, tuple[Future, int]] = {}
         self.free_places: dict[int, list[int]] = {id(p): [] for p in mgr.pools}
         self.counts = {"rebalances": 0, "promoted_hot": 0, "promoted_warm": 0, "read_errors": 0}
+        self._movable_keys: dict[int, frozenset[ExpertKey]] = {}  # per pool (the static layers are fixed at load)
 
     # -- accounting ---------------------------------------------------------------------------
     def movable(self, layer: int) -> bool:
@@ -194,12 +209,13 @@ class Rebalancer:
         busy = self._busy()
         issued = []
         for pool in mgr.pools:
-            keys = tuple(k for k in mgr.keys_of[id(pool)] if self.movable(k.layer))
-            table = mgr.table
+            keys = self._movable_keys.get(id(pool))
+            if keys is None:
+                keys = self._movable_keys[id(pool)] = frozenset(k for k in mgr.keys_of[id(pool)] if self.movable(k.layer))
             state = GroupState(
                 keys=keys,
-                hot=frozenset(k for k in keys if table[k].pinned),
-                warm=frozenset(k for k in keys if table[k].home is Home.CPU),
+                hot=keys & mgr.table.hot,
+                warm=keys & mgr.table.warm,
                 free_places=len(self.free_places[id(pool)]),
                 busy=busy,
             )

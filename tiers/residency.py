@@ -121,6 +121,11 @@ class ResidencyTable:
         # bumped whenever an expert's home, host place or pinning changes (the rebalancer's ops):
         # copies of the table kept elsewhere (the device-side tables of direct decode) compare it
         self.homes_version = 0
+        self.layer_versions: dict[int, int] = {}  # ... and per layer (absent: 0)
+        # the hot (pinned) and warm (cpu-home) experts, kept up to date by apply: the rebalancer
+        # intersects them with a pool's experts instead of reading every row. Read only
+        self.hot = {k for k, r in self._table.items() if r.pinned}
+        self.warm = {k for k, r in self._table.items() if r.home is Home.CPU}
 
     def __getitem__(self, key: ExpertKey) -> Residency:
         return self._table[key]
@@ -139,6 +144,9 @@ class ResidencyTable:
         old = self._table[key]
         if (old.home, old.host_offset, old.pinned) != (new.home, new.host_offset, new.pinned):
             self.homes_version += 1
+            self.layer_versions[key.layer] = self.layer_versions.get(key.layer, 0) + 1
+            (self.hot.add if new.pinned else self.hot.discard)(key)
+            (self.warm.add if new.home is Home.CPU else self.warm.discard)(key)
         self._table[key] = new
         return new
 

@@ -189,6 +189,10 @@ def test_direct_decode_with_the_rebalancer(device, checkpoint_factory, packed_fa
         for e, (slot, start) in enumerate(zip(d.resident.tolist(), d.starts.tolist())):
             r = mgr.table[ExpertKey(layer, e)]
             assert slot == (r.slot if r.pinned else -1) and (r.pinned or start == r.host_offset)
+    # a rebuild with nothing moved keeps every layer's tables, uploading nothing
+    built, uploads, upload = dict(mgr._direct_layers), [], mgr.upload_ints
+    monkeypatch.setattr(mgr, "upload_ints", lambda *a: uploads.append(a) or upload(*a))
+    assert all(mgr._build_direct()[L] is d for L, d in built.items()) and not uploads
     mgr.end_decode()
     mgr.close()
 

@@ -75,6 +75,45 @@ plan_inputs = st.tuples(
 )
 
 
+def _reference_plan(freq, group, *, max_moves, margin):
+    """The plan as specified, sorting every expert of the group (what plan_moves must equal)."""
+    better = lambda new, old: new > old * (1.0 + margin) and new >= old + 1  # noqa: E731
+    desc = lambda ks: sorted(ks, key=lambda k: (-freq[k], k))  # noqa: E731
+    asc = lambda ks: sorted(ks, key=lambda k: (freq[k], k))  # noqa: E731
+    moves, hot = [], set(group.hot)
+    for new, old in zip(desc(k for k in group.keys if k not in hot and k not in group.busy), asc(k for k in group.hot if k not in group.busy)):
+        if len(moves) >= max_moves or not better(freq[new], freq[old]):
+            break
+        moves.append(Move(new, Home.GPU, old))
+        hot.discard(old)
+        hot.add(new)
+    promoted = {m.key for m in moves}
+    outside = hot | group.hot | group.warm | group.busy
+    candidates = [k for k in desc(k for k in group.keys if k not in outside) if freq[k] > 0]
+    warm_moves = [Move(new, Home.CPU, None) for new in candidates[: min(group.free_places, max_moves)]]
+    for new, old in zip(candidates[len(warm_moves):], asc(k for k in group.warm if k not in promoted and k not in group.busy)):
+        if len(warm_moves) >= max_moves or not better(freq[new], freq[old]):
+            break
+        warm_moves.append(Move(new, Home.CPU, old))
+    return moves + warm_moves
+
+
+@settings(max_examples=300, deadline=None)
+@given(plan_inputs, st.booleans())
+def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer):
+    """plan_moves picks the least used hot and warm experts without sorting the group; its plan
+    equals the one that sorts all of them, ties and unused experts included (and uses of experts
+    outside the group, here another layer's, are ignored)."""
+    (n, uses, hot, warm, busy, free), max_moves, margin = args
+    warm -= hot
+    keys = tuple(K(0, e) for e in range(n))
+    freq = Counter({K(0, e): uses[e] for e in reversed(range(n))})  # counted in no particular order
+    if other_layer:
+        freq.update({K(1, e): 100 for e in range(n)})
+    g = GroupState(keys, frozenset(K(0, e) for e in hot), frozenset(K(0, e) for e in warm), free, frozenset(K(0, e) for e in busy))
+    assert plan_moves(freq, g, max_moves=max_moves, margin=margin) == _reference_plan(freq, g, max_moves=max_moves, margin=margin)
+
+
 @settings(max_examples=200, deadline=None)
 @given(plan_inputs)
 def test_plan_keeps_tier_sizes_and_only_improves(args):

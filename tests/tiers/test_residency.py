@@ -263,6 +263,8 @@ class ResidencyMachine(RuleBasedStateMachine):
         for k, r in self.table.items():
             assert r.home is self.homes[k]
             assert (r.home is Home.CPU) == (r.host_offset is not None), f"{k}: home {r.home.value}, offset {r.host_offset}"
+        assert self.table.hot == {k for k, r in self.table.items() if r.pinned}
+        assert self.table.warm == {k for k, r in self.table.items() if r.home is Home.CPU}
         counts = self.table.counts()
         assert sum(counts.values()) == len(KEYS)
         for h in Home:
