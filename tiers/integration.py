@@ -345,8 +345,8 @@ STREAM_KEY_END = 2**31 - 1  # the sort key of rows no part serves (the sentinel 
 
 def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], hit: list[int]) -> torch.Tensor | None:
     """A long call streamed through reserved slots (``tiers.streamed``), or None if it does not
-    qualify. Every (token, pick) row gets the sort key ``part * n_slots + slot`` (part 0: the
-    experts resident now; then the parts of misses), uploaded once as a map expert -> key, so one
+    qualify. Every (token, pick) row gets the sort key ``group * n_slots + slot`` (group 0: the
+    experts held in hot slots; group p + 1: the stream's part p), uploaded once as a map expert -> key, so one
     sort on the device orders the rows for every part; each part's row range and windows come
     from the host-side counts. Part ``p + 1``'s reads are queued before part ``p``'s kernels."""
     mgr = binding.manager

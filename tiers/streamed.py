@@ -9,8 +9,9 @@ Why: the general path for such a call (``integration._grouped_in_parts``) claims
 slots through the cache policy, stages each miss, and maps and sorts the part's rows on the
 device, all on the host, part after part. On the H200, a part of 8 Qwen3-30B-A3B experts
 (INT8, 38 MB, 0.77 ms of reading) took about 1.9 ms of host work under the profiler, so the
-reads waited on the host. Here the host plans the whole call once: the experts held already
-(hot or cached) form part 0, the misses go in parts of half the reserved slots, every row gets
+reads waited on the host. Here the host plans the whole call once: the experts in hot slots
+run first, the call's experts cached in the reserved slots open parts 0 and 1 where they lie
+(no read), the misses fill those parts and go on in parts of half the reserved slots, every row gets
 its part and slot as one sort key (one upload, one sort on the device), and each part then
 costs its copies and its grouped GEMMs: a copy per bf16 expert, or for small INT8 experts one
 copy per run of blobs back to back in the host pool and one stacked dequantization. Part ``p + 1``'s reads are
@@ -20,8 +21,9 @@ SMs. On the H200 a 6-layer Qwen3 prefill through direct stacks took 78 and 82 ms
 against 64 and 68 through the copy engine, in two runs; in INT8 46 against 42, then 64 against
 66 (``bench/results/prefill_ab-qwen3_moe*.json``).
 
-Reserved slots hold no cache: a miss is read into a slot the residency table never sees, and
-the slots go back empty, with a last-read event, when the call ends. Misses on disk leave the
+Reserved slots hold no cache: a miss is read into a slot the residency table never sees, a
+cached expert used in place leaves the cache, and each half goes back empty, with the event
+recorded after its last part's kernels, when the call ends. Misses on disk leave the
 call to the general path, which reads them on the reader threads.
 """
 from __future__ import annotations
