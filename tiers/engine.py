@@ -391,9 +391,10 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         pool.hold(slot)
         return Handle(key, pool, slot)
 
-    def _claim_and_stage(self, key: ExpertKey, r: Residency, pool: SlotPool, lru: LruSlots) -> int | None:
+    def _claim_and_stage(self, key: ExpertKey, r: Residency, pool: SlotPool, lru: LruSlots, direct: bool = True) -> int | None:
         """Take the policy's victim among unheld staging slots and stage ``key`` into it. A demand
-        miss that finds every slot held waits for this pool's read-aheads to land first."""
+        miss that finds every slot held waits for this pool's read-aheads to land first.
+        ``direct``: as for ``_queue_read``."""
         slot = lru.victim(pool.readers)
         while slot is None:
             mine = [k for k in self.pending if k[0] == id(pool)]
@@ -405,7 +406,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         # an IntegrityError leaves the slot, its owner and the residency table as they were.
         precision, source, src = self._fetch(key, r, pool, slot)
         self._evict_owner(pool, slot)
-        self._stage(key, pool, slot, precision, source, src)
+        self._stage(key, pool, slot, precision, source, src, direct=direct)
         self.table.apply(key, Op.STAGE, slot)
         lru.assign(slot, key)
         return slot
@@ -459,13 +460,14 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             batch, self._batch = self._batch, None
             self._close(batch)  # also after an exception: the writes queued so far need their events
 
-    def _stage(self, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor) -> Any:
+    def _stage(self, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor, direct: bool = True) -> Any:
         """Queue ``src`` (pinned) -> slot on the copy stream. ``source`` names the bytes in the stats:
-        cpu, nvme, or rebalance (a hot promotion). Inside ``staging()`` the write joins the batch and
-        None is returned; alone, it is a batch of one and its ready event is returned."""
+        cpu, nvme, or rebalance (a hot promotion); ``direct``: as for ``_queue_read``. Inside
+        ``staging()`` the write joins the batch and None is returned; alone, it is a batch of one
+        and its ready event is returned."""
         if self._batch is None:
             with self.staging():
-                self._stage(key, pool, slot, precision, source, src)
+                self._stage(key, pool, slot, precision, source, src, direct=direct)
             return pool.ready[slot]
         b = self._batch
         if (id(pool), slot) in b.staged:  # rewritten within the batch: what is queued for it closes first
@@ -473,7 +475,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             b = self._batch = _Batch()
         b.staged.add((id(pool), slot))
         pool.begin_write(slot, key, self.copy_stream, waited=b.waited)
-        self._queue_read(b, key, pool, slot, precision, source, src)
+        self._queue_read(b, key, pool, slot, precision, source, src, direct=direct)
         return None
 
     def _queue_read(self, b: _Batch, key: ExpertKey, pool: SlotPool, slot: int, precision: str, source: str, src: torch.Tensor,

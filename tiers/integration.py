@@ -105,14 +105,15 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     return hit, counts, picks
 
 
-def _prefetch(binding: LayerBinding, limit: int | None = None) -> None:
+def _prefetch(binding: LayerBinding, limit: int | None = None, direct: bool = True) -> None:
     """Stage what was predicted for the next layers (at most ``limit`` experts each); called while
-    this layer's experts are held, or after a streamed call gave its slots back."""
+    this layer's experts are held, or after a streamed call gave its slots back (then through
+    the copy engine, ``direct=False``, as the call's own reads)."""
     mgr = binding.manager
     for layer, _ in binding.lookahead:
         predicted = mgr.predicted.get(layer)
         if predicted and layer not in mgr.static_maps:
-            mgr.prefetch(layer, sorted(predicted), limit)
+            mgr.prefetch(layer, sorted(predicted), limit, direct)
 
 
 def tiers_experts_forward(
@@ -402,7 +403,7 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
         # those resident and streams its other misses through the other half
         limit = (s.pool.n_slots - mgr.hot_count[id(s.pool)]) // 2
         if binding.lookahead:
-            _prefetch(binding, limit)
+            _prefetch(binding, limit, direct=mgr.stream_direct)
         else:  # no router predictions: the next layer in expert order, if this call is long enough
             mgr.stage_ahead(binding.layer, hidden_states.shape[0], top_k_index.shape[-1], limit)
 

@@ -18,11 +18,12 @@ from tiers.slots import SlotPool
 class Prefetcher:
     """Mixed into ``TierManager``: uses its table, pools, caches, disk, host ring and ``_stage``."""
 
-    def prefetch(self, layer: int, experts: list[int], limit: int | None = None) -> int:
+    def prefetch(self, layer: int, experts: list[int], limit: int | None = None, direct: bool = True) -> int:
         """Stage predicted experts of a later layer into staging slots nobody holds, without holding
         them: a later lookup finds them resident (or still loading, and waits on their event).
         Stages at most as many as there are unheld staging slots (and ``limit``), so it never
-        evicts its own work."""
+        evicts its own work. ``direct=False`` reads warm ones through the copy engine even where
+        direct stacks could (a long call's GEMMs need the SMs)."""
         pool = self.pool_of[layer]
         lru = self.cache[id(pool)]
         free = self.unheld_staging(pool) if limit is None else min(limit, self.unheld_staging(pool))
@@ -38,7 +39,7 @@ class Prefetcher:
                 if r.home is Home.NVME and self.reader_threads is not None:
                     if not self._read_ahead(key, pool, lru):
                         break
-                elif self._claim_and_stage(key, r, pool, lru) is None:
+                elif self._claim_and_stage(key, r, pool, lru, direct) is None:
                     break
                 self.prefetched[key] = src_bytes = self.manifest.ref(key, self._precision_of(r)).nbytes
                 self.stats_.prefetch_issued += 1

@@ -143,7 +143,7 @@ class StreamedCalls:
         if (1 - top_k / n) ** tokens > 1 - self.STREAM_AHEAD_COVERAGE:
             return 0
         rows = [self.table[ExpertKey(nxt, e)] for e in range(n)]
-        return self.prefetch(nxt, [e for e, r in enumerate(rows) if r.slot is None and r.home is Home.CPU], limit)
+        return self.prefetch(nxt, [e for e, r in enumerate(rows) if r.slot is None and r.home is Home.CPU], limit, direct=self.stream_direct)
 
     def stream_part(self, s: Stream, p: int) -> None:
         """Queue the reads of part ``p``'s misses into its half, after that half's last kernels."""

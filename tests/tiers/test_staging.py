@@ -109,9 +109,9 @@ def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_fa
     readers: dict[int, list] = {}  # row -> ready events of the dequantizations that read it, in order
     stage, dequantize = mgr._stage, mgr._dequantize
 
-    def spy_stage(key, pool, slot, precision, source, src):
+    def spy_stage(key, pool, slot, precision, source, src, **kw):
         row = mgr.next_row[pid]
-        out = stage(key, pool, slot, precision, source, src)
+        out = stage(key, pool, slot, precision, source, src, **kw)
         if not mgr.manifest.blob(key, precision).precision == "bf16":
             writes.append((row, len(rec.order)))
         return out

@@ -220,16 +220,20 @@ def test_streaming_falls_back(case, packed_factory):
 def test_a_streamed_call_prefetches_into_half_the_slots_it_gave_back(checkpoint_factory, packed_factory):
     """With lookahead on, a streamed call stages the next layer's predicted experts into at most
     half the staging slots once it gave them back, so the next long call still streams through
-    the other half; the forward's logits equal the untiered model's."""
+    the other half; those reads go through the copy engine even where direct stacks could serve
+    them (forced on here: the torch reference), while a short call's lookahead may use direct
+    stacks; the forward's logits equal the untiered model's."""
     cfg = WARM | {"tiers": WARM["tiers"] | {"gpu": WARM["tiers"]["gpu"] | {"prefetch_depth": 1}}}
     model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
     mgr = manager_of(model)
+    mgr.direct_reads = True
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
     ref.set_experts_implementation("grouped_mm")
     staging = mgr.stats().gpu_slots["staging"]
-    issued = []
-    prefetch = mgr.prefetch
-    mgr.prefetch = lambda layer, experts, limit=None: issued.append((limit, prefetch(layer, experts, limit))) or issued[-1][1]
+    issued, direct_stacks = [], []
+    prefetch, stage_direct = mgr.prefetch, mgr._stage_direct
+    mgr.prefetch = lambda layer, experts, limit=None, direct=True: issued.append((limit, prefetch(layer, experts, limit, direct), direct)) or issued[-1][1]
+    mgr._stage_direct = lambda *a: direct_stacks.append(a) or stage_direct(*a)
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     mgr.reset_stats()
     with torch.no_grad():
@@ -238,9 +242,14 @@ def test_a_streamed_call_prefetches_into_half_the_slots_it_gave_back(checkpoint_
     s = mgr.stats()
     layers = len(mgr.manifest.layers) - len(mgr.static_maps)
     assert s.streamed["calls"] == layers, s.streamed
-    after = [n for limit, n in issued if limit is not None]
+    after = [n for limit, n, _ in issued if limit is not None]
     assert len(after) == layers - 1 and all(n <= staging // 2 for n in after) and any(after), issued
     assert s.prefetch["used"] > 0, "the next call finds prefetched experts resident"
+    assert not direct_stacks, "a streamed call and its read-aheads read through the copy engine"
+    before = len(issued)
+    with torch.no_grad():  # short calls: their lookahead may read through direct stacks
+        model(ids[:, :1])
+    assert issued[before:] and all(direct for _, _, direct in issued[before:])
     _assert_consistent(mgr)
 
 
