@@ -328,12 +328,15 @@ def test_a_streamed_int8_part_copies_into_rows_only_after_their_last_dequantizat
 def test_stage_ahead_stages_the_next_layer_in_order_after_a_long_call(tokens, checkpoint_factory, packed_factory):
     """``stream_ahead`` (off by default): after a streamed call long enough to hit nearly every
     expert, the next layer's first warm experts, in expert order, are staged into half the slots
-    just given back, and that layer's call finds them resident; a short call stages nothing.
+    just given back (through the copy engine, with direct stacks forced on: the torch
+    reference), and that layer's call finds them resident; a short call stages nothing.
     Logits stay equal to the untiered model's."""
     model = tiers.load(packed_factory("qwen3_moe"), WARM, device="cpu", progress=False)
     mgr = manager_of(model)
     assert not mgr.stream_ahead
-    mgr.stream_ahead = True
+    mgr.stream_ahead = mgr.direct_reads = True
+    direct_stacks, stage_direct = [], mgr._stage_direct
+    mgr._stage_direct = lambda *a: direct_stacks.append(a) or stage_direct(*a)
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
     ref.set_experts_implementation("grouped_mm")
     staged = []
@@ -368,6 +371,7 @@ def test_stage_ahead_stages_the_next_layer_in_order_after_a_long_call(tokens, ch
     assert staged[-1][1] == 0, "nothing after the last layer"
     assert s.prefetch["issued"] == sum(n for _, n, _ in staged) > 0
     assert s.prefetch["used"] > 0, "the next layer's call must find staged experts resident"
+    assert not direct_stacks
     _assert_consistent(mgr)
 
 
