@@ -56,7 +56,8 @@ def wrap_engine() -> None:
 
     for attr in ("acquire_layer", "_stage", "_dequantize", "_close", "_fetch", "slot_map", "wait_all", "release_all", "begin_call", "pump",
                  "count_static", "_stage_direct", "_stage_copy", "_stage_copy_run", "fetch_stack", "take_direct_usage", "prefetch",
-                 "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "stage_ahead"):
+                 "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "stage_ahead", "direct_ready", "fetch_direct",
+                 "begin_decode", "end_decode", "_refresh_direct", "_build_direct"):
         named(engine.TierManager, attr, f"tiers.{attr}")
     for attr in ("note_call", "land", "rebalance", "_issue", "_finish_hot", "_finish_warm"):
         named(rebalance.Rebalancer, attr, f"tiers.rebalance.{attr}")
