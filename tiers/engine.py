@@ -302,7 +302,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._init_direct(cfg.cpu.direct_reads)
         self.streamed_calls = True  # long calls of warm misses stream part by part (tiers.streamed)
         self.stream_direct = False  # ... through the copy engine, not direct stacks
-        self.stream_ahead = False  # ... and then stage the next layer's first warm experts (not yet measured on a GPU)
+        self.stream_ahead = False  # ... and then stage the next layer's first warm experts (slower in the H200 prefill A/Bs)
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
