@@ -122,6 +122,14 @@ def _size(d: dict, key: str, default: TierSize) -> TierSize:
     return default
 
 
+def _flag(d: dict, section: str, name: str, default: bool) -> bool:
+    """The true/false key ``section.name`` (``default`` when absent)."""
+    value = d.get(name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{section}.{name}: expected true or false, got {value!r}")
+    return value
+
+
 def _precision(d: dict, key: str, default: str) -> str:
     p = d.get("precision", default)
     if not isinstance(p, str) or p not in quant.scheme_names():
@@ -157,17 +165,12 @@ def parse_config(doc: Any) -> TiersConfig:
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))
-    direct_reads = c.get("direct_reads", d.cpu.direct_reads)
-    if not isinstance(direct_reads, bool):
-        raise ValueError(f"tiers.cpu.direct_reads: expected true or false, got {direct_reads!r}")
-    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision), direct_reads)
+    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision),
+                  _flag(c, "tiers.cpu", "direct_reads", d.cpu.direct_reads))
     readers = n.get("reader_threads", d.nvme.reader_threads)
     if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers <= 64:
         raise ValueError(f"tiers.nvme.reader_threads: expected an integer in [0, 64], got {readers!r}")
-    direct_io = n.get("direct_io", d.nvme.direct_io)
-    if not isinstance(direct_io, bool):
-        raise ValueError(f"tiers.nvme.direct_io: expected true or false, got {direct_io!r}")
-    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision), readers, direct_io)
+    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision), readers, _flag(n, "tiers.nvme", "direct_io", d.nvme.direct_io))
     if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
         raise ValueError(
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
