@@ -187,10 +187,7 @@ class DirectDecoder:
             slots = list(range(pool.n_slots - n, pool.n_slots))
             for s in slots:
                 assert pool.readers[s] == 0, f"slot {s} is held between forwards"
-                if pool.owner[s] is not None:
-                    self.drop_staged(pool, s)
-                pool.hold(s)
-                pool.wait_ready(s, compute)  # a write still queued on the copy or dequant stream lands first
+                self.reserve_slot(pool, s, compute)
             self._reserved[id(pool)] = _Reserved(slots, torch.tensor(slots, dtype=torch.int32, device=self.device))
 
     def end_decode(self) -> None:

@@ -354,6 +354,15 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         if self.rebalancer is not None:
             self.rebalancer.note_call(layer, keys, tokens, first=layer == self.first_layer and not noted)
 
+    def reserve_slot(self, pool: SlotPool, slot: int, compute: Any) -> None:
+        """Take an unheld staging slot out of the cache for a caller's own writes: its expert
+        leaves the GPU, the slot is held, and ``compute`` is ordered after a write still queued
+        into it (that write lands before the caller's)."""
+        if pool.owner[slot] is not None:
+            self.drop_staged(pool, slot)  # before the hold: only an unheld slot is emptied
+        pool.hold(slot)
+        pool.wait_ready(slot, compute)
+
     def drop_staged(self, pool: SlotPool, slot: int) -> None:
         """Empty an unheld staging slot (its expert leaves the GPU); the cache offers it first."""
         assert pool.readers[slot] == 0, f"slot {slot} is emptied while held"
@@ -485,7 +494,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         dequantization when lossy). The caller has ordered the copy stream after the slot's last read."""
         t0 = self.clock()
         blob = self.manifest.blob(key, precision)
-        if direct and self.direct_reads and self.direct_tensors(pool, blob) is not None:
+        if self._reads_direct(pool, blob, direct):
             self._stage_direct(b, pool, slot, blob, src)
         else:
             self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
@@ -493,10 +502,19 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             b.rings.append((id(pool), slot))
         self._count_read(source, src.numel(), t0)
 
+    def _reads_direct(self, pool: SlotPool, blob: Any, direct: bool) -> bool:
+        """Whether a read of ``blob`` into ``pool`` goes through a direct stack: asked for
+        (``direct``), the pool's direct reads on, and the blob one ``quant.direct`` decodes."""
+        return direct and self.direct_reads and self.direct_tensors(pool, blob) is not None
+
     def _count_read(self, source: str, nbytes: int, t0: float) -> None:
-        """Count bytes read up from ``source``; on the CPU, where copies run as they are queued,
-        also the time since ``t0`` on the clock."""
+        """Count bytes read up from ``source``, and the staging time since ``t0``."""
         self.stats_.bytes_moved[source] = self.stats_.bytes_moved.get(source, 0) + nbytes
+        self._count_time(t0)
+
+    def _count_time(self, t0: float) -> None:
+        """On the CPU, where copies run as they are queued, add the time since ``t0`` on the clock
+        to the staging time (on a GPU, events time the batches instead)."""
         if not self.timing:
             self.stats_.stage_seconds += self.clock() - t0
 
@@ -594,8 +612,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             ready = self.fetch_stack(pool, g.blob, g.starts, g.slots)
             pool.written(g.slots, self.copy_stream, ready)
             b.last = ready
-            if not self.timing:
-                self.stats_.stage_seconds += self.clock() - t0
+            self._count_time(t0)
             return
         landed = self.streams.event()
         landed.record(self.copy_stream)
@@ -619,8 +636,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         for r in range(g.row, g.row + k):
             self.transit_done[(id(pool), r)] = ready
         b.last = ready
-        if not self.timing:
-            self.stats_.stage_seconds += self.clock() - t0
+        self._count_time(t0)
 
     def _stack_views(self, pool: SlotPool, blob: Any, row: int, s0: int, k: int) -> tuple[dict, dict]:
         """A stack's quantized views of transit rows ``[row, row + k)`` and its slabs' slots

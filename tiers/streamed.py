@@ -105,11 +105,10 @@ class StreamedCalls:
             part_slots.append(h[: len(parts[-1])])
             misses = misses[len(h) :]
         for s in ordered:
-            if s not in cached and pool.owner[s] is not None:
-                self.drop_staged(pool, s)
-            pool.hold(s)
-            if s not in cached:
-                pool.wait_ready(s, compute)  # a write still queued lands before this call's
+            if s in cached:
+                pool.hold(s)  # its expert, used in place, keeps the ready event its part waits on
+            else:
+                self.reserve_slot(pool, s, compute)
         start = self.streams.event()
         start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it
         assert all(parts), "more misses than half the slots: parts 0 and 1 both serve some"
@@ -172,7 +171,7 @@ class StreamedCalls:
     def _runs_copy(self, pool: Any, blob: Any) -> bool:
         """A part's misses go up as one stack (``_stage_copy_run``): lossy, stackable, small (the
         pool stacks its lossy experts), and not read by direct stacks."""
-        if self.stream_direct and self.direct_reads and self.direct_tensors(pool, blob) is not None:
+        if self._reads_direct(pool, blob, self.stream_direct):
             return False
         scheme = quant.get_scheme(blob.precision)
         return not scheme.lossless and scheme.stacks and self.stack_limit[id(pool)] > 1
