@@ -75,8 +75,7 @@ class DirectDecoder:
         self._stack_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._direct_layers: dict[int, _DirectLayer] | None = None  # built at the first decode stage
         self._direct_version = -1  # the residency table's homes_version the tables were built at
-        # layer -> the table's layer version its tables were built at, and their host lists (starts, resident)
-        self._direct_host: dict[int, tuple[int, list[int], list[int]]] = {}
+        self._direct_built_at: dict[int, int] = {}  # layer -> the table's layer version its tables were built at
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
         self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
@@ -128,7 +127,7 @@ class DirectDecoder:
             if layer in self.static_maps or blob is None or self.direct_tensors(pool, blob) is None:
                 continue
             version = self.table.layer_versions.get(layer, 0)
-            if layer in built and self._direct_host[layer][0] == version:
+            if layer in built and self._direct_built_at[layer] == version:
                 out[layer] = built[layer]  # no expert of the layer changed home since
                 continue
             rows = [self.table[ExpertKey(layer, e)] for e in range(entry.layout.num_experts)]
@@ -136,11 +135,7 @@ class DirectDecoder:
                 continue
             starts = [0 if r.pinned else r.host_offset for r in rows]
             resident = [r.slot if r.pinned else -1 for r in rows]
-            if layer in built and self._direct_host[layer][1:] == (starts, resident):
-                out[layer] = built[layer]
-                self._direct_host[layer] = (version, starts, resident)
-                continue
-            self._direct_host[layer] = (version, starts, resident)
+            self._direct_built_at[layer] = version
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
             usage = None if self._usage is None else self._usage[self._layer_row[layer], : entry.layout.num_experts]
