@@ -152,10 +152,17 @@ class DiskStore:
                 try:
                     fd = self._dfds[rel] = os.open(self.manifest.root / rel, os.O_RDONLY | os.O_DIRECT)
                 except OSError as e:
-                    if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    if not self._o_direct_refused(e):
                         raise
-                    self.direct_io_active = False
             return fd
+
+    def _o_direct_refused(self, e: OSError) -> bool:
+        """Whether ``e`` is the platform or filesystem refusing O_DIRECT; if so, reads are
+        buffered from now on."""
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        self.direct_io_active = False
+        return True
 
     def read(self, key: ExpertKey, precision: str, out: torch.Tensor) -> BlobRef:
         """Read one blob into the uint8 CPU tensor ``out`` (at least ``nbytes`` long)."""
@@ -181,9 +188,8 @@ class DiskStore:
                 try:
                     got, crc = self._read_span(dfd, view[:bulk], ref.offset, check, crc)
                 except OSError as e:  # a filesystem that opens with O_DIRECT and refuses the read
-                    if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    if not self._o_direct_refused(e):
                         raise
-                    self.direct_io_active = False
                     bulk, got, crc = 0, 0, 0
         if got == bulk:
             n, crc = self._read_span(fd, view[bulk:], ref.offset + bulk, check, crc)
