@@ -336,14 +336,10 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
     result["order"] = order
     result["page_cache_dropped"] = all(drops)
     best = max((result[n]["gbps"] for n in ("o_direct_single", "o_direct_threads") if result[n]), default=None)
-    ds = result["diskstore"]["gbps"]
     result["o_direct_best_gbps"] = best
-    result["ratio"] = ds / best if best and ds else None
-    par = result["diskstore_parallel"]["gbps"] if result["diskstore_parallel"] else None
-    result["ratio_parallel"] = par / best if best and par else None
-    for name in ("direct", "parallel_direct"):  # with tiers.nvme.direct_io
-        arm = result[f"diskstore_{name}"]
-        result[f"ratio_{name}"] = arm["gbps"] / best if best and arm and arm["gbps"] else None
+    for suffix in ("", "_parallel", "_direct", "_parallel_direct"):  # each DiskStore arm (the last two: tiers.nvme.direct_io)
+        arm = result[f"diskstore{suffix}"]
+        result[f"ratio{suffix}"] = arm["gbps"] / best if best and arm and arm["gbps"] else None
     # the engine reads a call's cold misses together only when their blobs are small
     from tiers.engine import TierManager
 
