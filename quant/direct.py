@@ -35,6 +35,13 @@ class DirectTensor:
     scale: int | None  # byte offset of the fp32 per-row scales (int8), None for bf16
 
 
+class DirectExpert(tuple):
+    """An expert's ``DirectTensor``s, as ``fetch`` takes them; made once per slab and encoding
+    and kept, it also carries the kernel's prepared launch (built at the first launch)."""
+
+    launch_plan: object = None
+
+
 def supported(precision: str) -> bool:
     return precision in FIELDS
 

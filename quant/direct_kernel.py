@@ -5,13 +5,19 @@ the expert's tensors one after another; programs of resident picks only look the
 Program (j, 0) also writes ``ids[j]`` and counts the pick (and its expert, with ``usage``).
 Measured on an H200 (PCIe 5 x16), reading INT8 experts of Qwen3-30B-A3B shapes this way moves
 46-47 GB/s for 4 experts and 50 GB/s for 32, against 55 GB/s for one large copy-engine copy
-(``bench/zero_copy_probe.py``).
+(``bench/zero_copy_probe.py``). Launches after the first two of a specialization skip Triton's
+per-call dispatch (``quant.launch``).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
+
+from quant.launch import Relauncher, idle
 
 BLOCK = 8192  # elements per program
 WARPS = 8
@@ -56,16 +62,50 @@ def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
             _block(base, d2, s2, out2 + slot * n2, b - nb0 - nb1, n2, c2, QUANT, BLOCK)
 
 
+class _Plan:
+    """What a launch over one expert's tensors keeps: the arguments that never change (slabs,
+    offsets, sizes), the blocks per pick, and the relauncher for the kernel's specializations."""
+
+    def __init__(self, tensors):
+        self.fixed, self.blocks = [], 0
+        for i in range(3):
+            t = tensors[min(i, len(tensors) - 1)]
+            n = math.prod(t.out.shape[1:])
+            nb = triton.cdiv(n, BLOCK) if i < len(tensors) else 0
+            self.blocks += nb
+            self.fixed += [t.out, t.data, t.scale or 0, n, t.out.shape[-1]] + ([nb] if i < 2 else [])
+        self.quant = tensors[0].scale is not None
+        self.relaunch = {usage: Relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, BLOCK=BLOCK, num_warps=WARPS), _stream, _hooks)
+                         for usage in (False, True)}
+
+
+def _stream():
+    return driver.active.get_current_stream(driver.active.get_current_device())
+
+
+def _hooks() -> bool:
+    """True while launch hooks are set, or where this Triton keeps them elsewhere (then the fast
+    path is never taken)."""
+    rt = _RUNTIME
+    return rt is None or not (idle(rt.launch_enter_hook) and idle(rt.launch_exit_hook))
+
+
+try:
+    from triton import knobs as _knobs
+
+    _RUNTIME = _knobs.runtime
+except ImportError:
+    _RUNTIME = None
+
+
 def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
            ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
-    quant = tensors[0].scale is not None
-    args, blocks = [], 0
-    for i in range(3):
-        t = tensors[min(i, len(tensors) - 1)]
-        n = t.out[0].numel()
-        nb = triton.cdiv(n, BLOCK) if i < len(tensors) else 0
-        blocks += nb
-        args += [t.out, t.data, t.scale or 0, n, t.out.shape[-1]] + ([nb] if i < 2 else [])
-    m = picks.numel()
-    _fetch[(m, blocks)](src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage, *args,
-                        QUANT=quant, USAGE=usage is not None, BLOCK=BLOCK, num_warps=WARPS)
+    plan = getattr(tensors, "launch_plan", None)
+    if plan is None:
+        plan = _Plan(tensors)
+        if hasattr(tensors, "launch_plan"):  # a DirectExpert keeps it
+            tensors.launch_plan = plan
+    dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage)
+    # what decides Triton's compiled kernel among the arguments that vary: dtypes and 16-byte alignment
+    key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in dynamic)
+    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), key)

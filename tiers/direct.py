@@ -47,7 +47,7 @@ from tiers.residency import Home
 class _DirectLayer:
     starts: torch.Tensor  # int64 [E]: each warm expert's offset in the host pool (0 for hot ones)
     resident: torch.Tensor  # int32 [E]: each hot expert's slot, -1 for the rest
-    tensors: tuple[direct.DirectTensor, ...]
+    tensors: direct.DirectExpert
     pool: Any
     counts: torch.Tensor  # int64 [2]: the pool's resident and decoded picks (shared by its layers)
     usage: torch.Tensor | None  # int64 [E]: picks per expert, for the rebalancer (None without one)
@@ -66,7 +66,7 @@ class DirectDecoder:
         # on by config, on a GPU with Triton and a pinned pool (tests switch them on for the CPU reference)
         self.direct_reads = enabled and self.device.type == "cuda" and self.host.pinned and direct.kernel_available()
         self.direct_decode = self.direct_reads
-        self._direct_tensors: dict[tuple[int, str], tuple[direct.DirectTensor, ...] | None] = {}
+        self._direct_tensors: dict[tuple[int, str], direct.DirectExpert | None] = {}
         # a direct stack's picks are 0..k-1, none resident; its ids and counts go to scratch
         n = self.STACK_EXPERTS
         self._stack_picks = torch.arange(n, dtype=torch.int64, device=self.device)
@@ -84,7 +84,7 @@ class DirectDecoder:
         width = max(e.layout.num_experts for e in self.manifest.layers.values())
         self._usage = torch.zeros((len(self._layer_row), width), dtype=torch.int64, device=self.device) if self.rebalancer else None
 
-    def direct_tensors(self, pool: Any, blob: Any) -> tuple[direct.DirectTensor, ...] | None:
+    def direct_tensors(self, pool: Any, blob: Any) -> direct.DirectExpert | None:
         """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU should
         not read it in place (a precision it does not decode, or a large expert)."""
         key = (id(pool), blob.precision)
@@ -93,8 +93,8 @@ class DirectDecoder:
             if direct.supported(blob.precision) and blob.nbytes <= self.STACK_BYTES:
                 offset = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
                 data, scale = direct.FIELDS[blob.precision]
-                tensors = tuple(direct.DirectTensor(pool.slabs[name], offset[(name, data)], scale and offset[(name, scale)])
-                                for name, _ in blob.shapes)
+                tensors = direct.DirectExpert(direct.DirectTensor(pool.slabs[name], offset[(name, data)], scale and offset[(name, scale)])
+                                              for name, _ in blob.shapes)
             self._direct_tensors[key] = tensors
         return self._direct_tensors[key]
 

@@ -105,3 +105,37 @@ def test_kernel_matches_reference_bit_for_bit(precision):
     for a, b in zip(outs["cpu"][0], outs["cuda"][0]):
         assert torch.equal(a, b)
     assert torch.equal(outs["cpu"][1], outs["cuda"][1]) and torch.equal(outs["cpu"][2], outs["cuda"][2])
+
+
+def test_a_kept_expert_fetches_the_same_as_a_tuple_every_call(device):
+    """A ``DirectExpert`` keeps its launch (on CUDA: the relaunched kernel after the first two
+    launches); call after call, with other picks and counters, it writes what the reference does."""
+    from quant.direct import DirectExpert
+
+    precision, shapes = "int8", [(64, 96), (96, 64)]
+    buf, starts, offsets, _ = _buffer(precision, shapes, 12, seed=5)
+    src = buf.pin_memory() if device.type == "cuda" else buf
+    data, scale = FIELDS[precision]
+    g = torch.Generator().manual_seed(2)
+    kept_slabs = [torch.full((16, *s), SENTINEL, dtype=torch.bfloat16, device=device) for s in shapes]
+    kept = DirectExpert(DirectTensor(slab, f[data], f.get(scale)) for slab, f in zip(kept_slabs, offsets))
+    ref_slabs = [torch.full((16, *s), SENTINEL, dtype=torch.bfloat16) for s in shapes]
+    ref = tuple(DirectTensor(slab, f[data], f.get(scale)) for slab, f in zip(ref_slabs, offsets))
+    usage = torch.zeros(12, dtype=torch.int64, device=device)
+    ref_usage = torch.zeros(12, dtype=torch.int64)
+    for call in range(6):
+        m = 2 + call % 3
+        resident = torch.where(torch.rand(12, generator=g) < 0.3, torch.arange(12) % 4, -1).to(torch.int32)
+        picks = torch.randperm(12, generator=g)[:m]
+        dst = torch.arange(4, 4 + m, dtype=torch.int32)
+        got_ids, got_counts = torch.empty(m, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+        want_ids, want_counts = torch.empty(m, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+        fetch(src, torch.tensor(starts, device=device), resident.to(device), picks.to(device), dst.to(device), got_ids, got_counts,
+              kept, usage)
+        fetch_reference(buf, torch.tensor(starts), resident, picks, dst, want_ids, want_counts, ref, ref_usage)
+        assert torch.equal(got_ids.cpu(), want_ids) and torch.equal(got_counts.cpu(), want_counts), f"call {call}"
+        for a, b in zip(kept_slabs, ref_slabs):
+            assert torch.equal(a.cpu(), b), f"call {call}"
+    assert torch.equal(usage.cpu(), ref_usage)
+    if device.type == "cuda":
+        assert kept.launch_plan.relaunch[True].fast_launches == 4, "the kernel was not relaunched past Triton's dispatch"
