@@ -1,0 +1,225 @@
+"""Where a decode token's time goes, without a profiler: host time against device time.
+
+    python bench/decode_split.py [--model qwen3_moe] [--layers 6] [--tokens 16]
+                                 [--arms all_gpu,tiers_100_bf16,tiers_50_int8,tiers_50_int8-nodirect] --out FILE
+
+A profiler slows the host two-fold, which moves a decode step from one regime to another (the
+GPU waiting on Python, or Python waiting on the GPU), so this measures with clocks alone. Hooks
+on the decoder layers and their experts modules record ``time.perf_counter`` (host) and a CUDA
+timing event (device) at each layer's start and each experts call's start and end. Per arm and
+decode token:
+
+- ``token_ms``: host time from one token's first layer to the next token's (what decode costs);
+- ``host_forward_ms``: host time from a token's first layer to its last layer's end (launching);
+- ``host_experts_ms``: host time inside the experts calls; ``device_experts_ms`` the same span
+  on the device clock, whose excess over the host's is what the device added;
+- ``host_before_experts_ms``, ``host_after_experts_ms``: host time in the layers before and
+  after their experts calls (attention, norms, router);
+- ``device_token_ms``: the device's time between two tokens' first layers;
+- ``host_<step>_ms``: host time per token in the engine's direct decode steps (``direct_ready``,
+  ``fetch_direct``) and, within ``fetch_direct``, in the kernel launch (``launch``).
+
+When ``host_forward_ms`` is close to ``token_ms`` the host bounds decode and a faster GPU path
+would not show; otherwise the device does. Arms are as in ``bench/profile_arms.py``;
+``-nodirect`` turns direct reads (and so direct decode) off; ``+h2d`` (an all-GPU arm) keeps the
+PCIe link busy with large pinned host-to-device copies on a side stream while it is measured,
+which asks whether traffic on the link alone slows the host's launches.
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+
+class Steps:
+    """Host time in named callables, wrapped on their owners while a measurement runs."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn, attr in vars(owner)))
+
+    def restore(self) -> None:
+        for owner, attr, fn, own in reversed(self._undo):
+            if own:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)
+        self._undo = []
+
+
+class Clock:
+    """Host and device timestamps at named points of each forward."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, int, float, object]] = []
+        self.on = False
+
+    def mark(self, what: str, layer: int) -> None:
+        if not self.on:
+            return
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+        self.marks.append((what, layer, time.perf_counter(), ev))
+
+    def attach(self, model) -> list:
+        handles = []
+        for i, layer in enumerate(model.model.layers):
+            handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self.mark("layer", i)))
+            handles.append(layer.register_forward_hook(lambda m, a, o, i=i: self.mark("layer_end", i)))
+            experts = layer.mlp.experts
+            handles.append(experts.register_forward_pre_hook(lambda m, a, i=i: self.mark("experts", i)))
+            handles.append(experts.register_forward_hook(lambda m, a, o, i=i: self.mark("experts_end", i)))
+        return handles
+
+    def split(self, n_layers: int) -> dict:
+        """Per-token medians over the tokens after the first (the prompt's forward)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        starts = [i for i, (w, L, _, _) in enumerate(self.marks) if w == "layer" and L == 0]
+
+        def dev(a, b) -> float:
+            return a[3].elapsed_time(b[3]) if self.cuda else float("nan")
+
+        rows = []
+        for t, (s, nxt) in enumerate(zip(starts, starts[1:])):
+            if t == 0:
+                continue  # the prompt's forward
+            span = self.marks[s:nxt]
+            last_end = max(i for i, m in enumerate(span) if m[0] == "layer_end" and m[1] == n_layers - 1)
+            host_exp = dev_exp = host_pre = host_post = 0.0
+            for a, b in zip(span, span[1:]):
+                if a[0] == "experts" and b[0] == "experts_end":
+                    host_exp += (b[2] - a[2]) * 1e3
+                    dev_exp += dev(a, b)
+                elif a[0] == "layer" and b[0] == "experts":
+                    host_pre += (b[2] - a[2]) * 1e3
+                elif a[0] == "experts_end" and b[0] == "layer_end":
+                    host_post += (b[2] - a[2]) * 1e3
+            rows.append({"token_ms": (self.marks[nxt][2] - span[0][2]) * 1e3,
+                         "host_forward_ms": (span[last_end][2] - span[0][2]) * 1e3,
+                         "host_experts_ms": host_exp, "device_experts_ms": dev_exp,
+                         "host_before_experts_ms": host_pre, "host_after_experts_ms": host_post,
+                         "device_token_ms": dev(span[0], self.marks[nxt])})
+        return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"tokens": len(rows)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3_moe")
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--arms", default="all_gpu,tiers_100_bf16,tiers_50_int8,tiers_50_int8-nodirect")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import tiers
+    from loader.pack import pack
+    from tiers.integration import manager_of
+    from tools.measure import SHAPES, TINY, build, decode_ms_per_token
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shape = dict((TINY if args.tiny else SHAPES)[args.model], layers=args.layers)
+    work = Path(tempfile.mkdtemp(prefix="tiers-split-"))
+    model = build(args.model, shape, device)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
+    arms = args.arms.split(",")
+    result = {"command": "python bench/decode_split.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "arms": {}}
+
+    def measure(name, m) -> None:
+        kw = dict(do_sample=False, pad_token_id=0)
+        m.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
+        clock = Clock(device)
+        handles = clock.attach(m)
+        splits = []
+        steps = Steps()
+        if not name.startswith("all_gpu"):
+            from quant import direct
+
+            mgr = manager_of(m)
+            for attr in ("direct_ready", "fetch_direct"):
+                steps.wrap(mgr, attr, attr)
+            steps.wrap(direct, "fetch", "launch")
+        load = name.endswith("+h2d") and device.type == "cuda"
+        if load:
+            src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+            dst = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+            side = torch.cuda.Stream(device)
+        for _ in range(args.reps):
+            if load:  # ~55 GB/s for as long as the generate takes (bounded by 48 copies, 12 GiB)
+                with torch.cuda.stream(side):
+                    for _ in range(48):
+                        dst.copy_(src, non_blocking=True)
+            clock.marks, clock.on = [], True
+            m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+            clock.on = False
+            splits.append(clock.split(args.layers))
+            if load:
+                side.synchronize()
+        steps.restore()
+        for h in handles:
+            h.remove()
+        row |= {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+        # per decode token (the prompt's forward runs none of these: direct decode is decode only)
+        row |= {f"host_{k}_ms": v / (args.reps * (args.tokens - 1)) for k, v in steps.ms.items()}
+        result["arms"][name] = row
+        print(name, json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
+
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
+    for name in [a for a in arms if a.startswith("all_gpu")]:
+        measure(name, model)
+    model.save_pretrained(work / "hf")
+    del model
+    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
+    shutil.rmtree(work / "hf", ignore_errors=True)
+    for name in [a for a in arms if a.startswith("tiers_")]:
+        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?", name)
+        if arm is None:
+            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect])")
+        pct, precision, nodirect = arm.groups()
+        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100},
+                         "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
+                         "nvme": {"precision": precision}}}
+        m = tiers.load(work / "packed", cfg, device=device, progress=False)
+        measure(name, m)
+        manager_of(m).close()
+        del m
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
