@@ -51,7 +51,7 @@ class Steps:
         self._undo: list = []
 
     def wrap(self, owner, attr: str, label: str) -> None:
-        fn = getattr(owner, attr)
+        fn, own = getattr(owner, attr), attr in vars(owner)
 
         def timed(*a, **k):
             t0 = time.perf_counter()
@@ -60,7 +60,7 @@ class Steps:
             finally:
                 self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
         setattr(owner, attr, timed)
-        self._undo.append((owner, attr, fn, attr in vars(owner)))
+        self._undo.append((owner, attr, fn, own))
 
     def restore(self) -> None:
         for owner, attr, fn, own in reversed(self._undo):

@@ -1,0 +1,66 @@
+"""bench/decode_split.py: a token's host time split from synthetic marks, and step timers that
+leave their owners as they found them."""
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import torch
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "decode_split.py"
+_spec = importlib.util.spec_from_file_location("decode_split", _PATH)
+decode_split = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decode_split)
+
+
+def _token(t0: float, layers: int, attn: float, experts: float, post: float) -> list[tuple]:
+    """Marks of one forward: per layer, ``attn`` ms before its experts call, ``experts`` ms in it,
+    ``post`` ms after (host clock in seconds, no device events)."""
+    marks, t = [], t0
+    for i in range(layers):
+        marks.append(("layer", i, t, None))
+        t += attn / 1e3
+        marks.append(("experts", i, t, None))
+        t += experts / 1e3
+        marks.append(("experts_end", i, t, None))
+        t += post / 1e3
+        marks.append(("layer_end", i, t, None))
+    return marks
+
+
+def test_split_adds_up_per_token_and_skips_the_prompt():
+    clock = decode_split.Clock(torch.device("cpu"))
+    layers, gap = 3, 2.0  # ms between a forward's last layer and the next forward (sampling, sync)
+    t = 0.0
+    for token in range(4):
+        attn, experts, post = (50.0, 50.0, 50.0) if token == 0 else (1.0 + token, 0.5, 0.25)  # the prompt's forward is long
+        clock.marks += _token(t, layers, attn, experts, post)
+        t = clock.marks[-1][2] + gap / 1e3
+    clock.marks.append(("layer", 0, t, None))  # the next token's start closes the last one
+    got = clock.split(layers)
+    assert got["tokens"] == 3  # tokens 1..3; the prompt's forward is left out
+    # medians over tokens 1, 2, 3, whose attention parts take 2, 3 and 4 ms
+    assert math.isclose(got["host_before_experts_ms"], layers * 3.0)
+    assert math.isclose(got["host_experts_ms"], layers * 0.5)
+    assert math.isclose(got["host_after_experts_ms"], layers * 0.25)
+    assert math.isclose(got["host_forward_ms"], layers * (3.0 + 0.5 + 0.25))
+    assert math.isclose(got["token_ms"], layers * (3.0 + 0.5 + 0.25) + gap)
+    assert math.isnan(got["device_token_ms"])
+
+
+class _Owner:
+    def step(self, x):
+        return x + 1
+
+
+def test_steps_time_calls_and_restore_owners():
+    steps = decode_split.Steps()
+    inst = _Owner()
+    steps.wrap(inst, "step", "inst")  # an instance: the wrapper shadows the class's method
+    steps.wrap(_Owner, "step", "cls")  # a class attribute: replaced, then put back
+    assert inst.step(1) == 2 and _Owner().step(2) == 3
+    assert set(steps.ms) == {"inst", "cls"} and all(v >= 0 for v in steps.ms.values())
+    steps.restore()
+    assert "step" not in vars(inst), "the instance kept its wrapper"
+    assert _Owner.step.__name__ == "step" and _Owner().step(5) == 6
