@@ -137,19 +137,17 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--arms", default="all_gpu,tiers_100_bf16,tiers_50_int8,tiers_50_int8-nodirect")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import tiers
-    from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token
+    from tools.measure import SHAPES, TINY, build_packed, decode_ms_per_token
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dict((TINY if args.tiny else SHAPES)[args.model], layers=args.layers)
     work = Path(tempfile.mkdtemp(prefix="tiers-split-"))
-    model = build(args.model, shape, device)
+    model, packed = build_packed(args.model, args.layers, device, work)  # real shapes on CUDA, tiny ones elsewhere
+    shape = dict((SHAPES if device.type == "cuda" else TINY)[args.model], layers=args.layers)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
     arms = args.arms.split(",")
@@ -199,10 +197,7 @@ def main() -> int:
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
     for name in [a for a in arms if a.startswith("all_gpu")]:
         measure(name, model)
-    model.save_pretrained(work / "hf")
     del model
-    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
-    shutil.rmtree(work / "hf", ignore_errors=True)
     for name in [a for a in arms if a.startswith("tiers_")]:
         arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?", name)
         if arm is None:
@@ -211,7 +206,7 @@ def main() -> int:
         cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100},
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
                          "nvme": {"precision": precision}}}
-        m = tiers.load(work / "packed", cfg, device=device, progress=False)
+        m = tiers.load(packed, cfg, device=device, progress=False)
         measure(name, m)
         manager_of(m).close()
         del m

@@ -2,7 +2,7 @@
 
     python bench/gc_probe.py [--model qwen3_moe] [--layers 6] [--arm tiers_25_int8] [--reps 5] --out FILE
 
-Builds and packs a random-weight model of real shapes (``tools.measure``), loads the arm (as in
+Builds and packs a random-weight model of real shapes (tiny ones off CUDA; ``tools.measure``), loads the arm (as in
 ``bench/profile_arms.py``), and alternates, rep by rep, the collector on (Python's default
 thresholds) and off: a prefill of ``--prefill`` tokens and a decode of ``--tokens`` tokens
 (ms/token as (generate 1 + T) - (generate 1)). Counts the collections of each generation that
@@ -35,33 +35,29 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prefill", type=int, default=2048)
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import tiers
-    from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, sync
+    from tools.measure import SHAPES, TINY, build_packed, sync
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = dict((TINY if args.tiny else SHAPES)[args.model], layers=args.layers)
     work = Path(tempfile.mkdtemp(prefix="tiers-gc-"))
-    model = build(args.model, shape, device)
+    model, packed = build_packed(args.model, args.layers, device, work)  # real shapes on CUDA, tiny ones elsewhere
+    shape = dict((SHAPES if device.type == "cuda" else TINY)[args.model], layers=args.layers)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.prefill), generator=g).to(device)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
-    model.save_pretrained(work / "hf")
     del model
-    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
     arm = re.fullmatch(r"tiers_(\d+)_(\w+)", args.arm)
     if arm is None:
         raise SystemExit(f"--arm: cannot read {args.arm!r} (expected tiers_<pct>_<precision>)")
     pct, precision = arm.groups()
     cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100}, "cpu": {"budget": expert_bytes, "precision": precision},
                      "nvme": {"precision": precision}}}
-    m = tiers.load(work / "packed", cfg, device=device, progress=False)
+    m = tiers.load(packed, cfg, device=device, progress=False)
     kw = dict(do_sample=False, pad_token_id=0)
     collections = [0, 0, 0]
 
