@@ -40,12 +40,12 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build_packed, sync
+    from tools.measure import build_packed, sync, shape_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = Path(tempfile.mkdtemp(prefix="tiers-gc-"))
-    model, packed = build_packed(args.model, args.layers, device, work)  # real shapes on CUDA, tiny ones elsewhere
-    shape = dict((SHAPES if device.type == "cuda" else TINY)[args.model], layers=args.layers)
+    model, packed = build_packed(args.model, args.layers, device, work)
+    shape = shape_of(args.model, args.layers, device)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.prefill), generator=g).to(device)

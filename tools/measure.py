@@ -119,13 +119,17 @@ def build(model_type: str, shape: dict, device: torch.device, seed: int = 0):
     return model.eval()
 
 
+def shape_of(model_type: str, layers: int, device: torch.device) -> dict:
+    """The shape ``build_packed`` builds on ``device``: real on CUDA, ``TINY`` elsewhere, with ``layers`` layers."""
+    return dict((SHAPES if device.type == "cuda" else TINY)[model_type], layers=layers)
+
+
 def build_packed(model_type: str, layers: int, device: torch.device, work):
-    """A model of real shapes (``TINY`` ones off CUDA) with ``layers`` layers, and its pack in both
-    precisions under ``work/packed`` (the checkpoint goes through ``work/hf``)."""
+    """A model of ``shape_of``'s shape, and its pack in both precisions under ``work/packed``
+    (the checkpoint goes through ``work/hf``)."""
     from loader.pack import pack
 
-    shape = dict((SHAPES if device.type == "cuda" else TINY)[model_type], layers=layers)
-    model = build(model_type, shape, device)
+    model = build(model_type, shape_of(model_type, layers, device), device)
     model.save_pretrained(work / "hf")
     pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
     return model, work / "packed"
