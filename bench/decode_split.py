@@ -48,6 +48,7 @@ class Steps:
 
     def __init__(self):
         self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
         self._undo: list = []
 
     def wrap(self, owner, attr: str, label: str) -> None:
@@ -59,6 +60,7 @@ class Steps:
                 return fn(*a, **k)
             finally:
                 self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+                self.calls[label] = self.calls.get(label, 0) + 1
         setattr(owner, attr, timed)
         self._undo.append((owner, attr, fn, own))
 

@@ -61,6 +61,7 @@ def test_steps_time_calls_and_restore_owners():
     steps.wrap(_Owner, "step", "cls")  # a class attribute: replaced, then put back
     assert inst.step(1) == 2 and _Owner().step(2) == 3
     assert set(steps.ms) == {"inst", "cls"} and all(v >= 0 for v in steps.ms.values())
+    assert steps.calls == {"inst": 1, "cls": 1}
     steps.restore()
     assert "step" not in vars(inst), "the instance kept its wrapper"
     assert _Owner.step.__name__ == "step" and _Owner().step(5) == 6

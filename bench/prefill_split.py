@@ -1,0 +1,295 @@
+"""Where a long prompt's prefill time goes, without a profiler: the copy engine's busy time and gaps.
+
+    python bench/prefill_split.py [--model qwen3_moe] [--layers 12] [--prefill 2048] [--reps 3]
+                                  [--configs int8:auto:0:0.25,int8:auto:0:0.5] --out FILE
+
+A profiler slows the host about two-fold, which changes whether the copy engine waits on Python
+or Python on the GPU, so this measures with clocks alone. Each config is precision : staging
+slots : prefetch depth : GPU fraction (the rest warm). One prefill is timed plain (``prefill_s``,
+against the untiered model's in the same repetition), then once more with marks: a host clock
+reading and a CUDA timing event at each decoder layer's start, each experts call's start, the
+return of its route sync, each streamed part's copies (events on the copy stream, the first one
+queued after the part's wait for its half), each part's kernels (compute stream) and the call's
+end. Per streamed layer (medians over layers, then over repetitions):
+
+- ``copy_ms``: the copy stream's busy time on the layer's parts; ``copy_gaps_ms``: its idle time
+  between the layer's parts; ``parts``: their number;
+- ``boundary_ms``: the copy stream's idle time from the previous layer's last copy (or read-ahead)
+  to this layer's first, split into ``boundary_gpu_ms`` (until the route sync returned: the last
+  kernels, attention, router and the sync) and ``boundary_plan_ms`` (from there to the first copy:
+  the host planning and queuing the call);
+- ``tail_ms``: device time from the layer's last copy to its experts call's end;
+- ``host_attn_ms``, ``host_route_ms``, ``host_call_ms``: host time before the experts call, in the
+  route (mostly waiting for the sync) and in the rest of the call;
+- ``host_layer_ms``, ``device_layer_ms``: from the layer's start to the next one's, on each clock
+  (also for the untiered model, under ``all_gpu``, with ``host_experts_ms``).
+
+Host time per layer in the engine's steps (``host_steps_ms``, with ``host_step_calls`` per layer),
+over the marked prefill: the route, the streamed call's plan, parts, waits and uploads, the
+stacked dequantizations, the grouped GEMMs' launches, read-aheads.
+
+Totals per prefill: ``device_ms`` (first layer to last experts call on the device), ``copy_ms`` and
+``copy_busy`` (the copy stream's share of ``device_ms``), and ``boundary_ms``/``copy_gaps_ms`` summed
+over layers, so ``device_ms`` ≈ copies + gaps + boundaries + the first layer's lead + the last tail.
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+H2D_BYTES_PER_S = 55e9
+
+
+class Marks:
+    """Host clock readings and device events at named points, on a chosen stream."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.raw: list[tuple[str, int, float, object]] = []
+        self.on = False
+
+    def mark(self, what: str, layer: int, stream=None) -> None:
+        if not self.on:
+            return
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(stream)  # None: the current stream
+        self.raw.append((what, layer, time.perf_counter(), ev))
+
+    def resolved(self) -> list[tuple[str, int, float, float]]:
+        """(what, layer, host ms, device ms) from the first mark; device NaN without CUDA."""
+        if not self.raw:
+            return []
+        if self.cuda:
+            torch.cuda.synchronize()
+        h0, e0 = self.raw[0][2], self.raw[0][3]
+        return [(w, L, (t - h0) * 1e3, e0.elapsed_time(ev) if self.cuda else float("nan")) for w, L, t, ev in self.raw]
+
+
+def split(marks: list[tuple[str, int, float, float]]) -> dict:
+    """Per-layer and total figures of one prefill from its resolved marks (see the module's doc)."""
+    by_layer: dict[int, list] = {}
+    for m in marks:
+        by_layer.setdefault(m[1], []).append(m)
+    done = sorted(d for w, _, _, d in marks if w in ("copy_end", "ahead_end"))  # the copy stream runs in order
+    rows = []
+    layer_at = {L: (h, d) for w, L, h, d in marks if w == "layer"}
+    for layer in sorted(by_layer):
+        ms = by_layer[layer]
+        first = {}
+        for w, _, h, d in ms:
+            first.setdefault(w, (h, d))
+        starts = [d for w, _, _, d in ms if w == "copy_start"]
+        ends = [d for w, _, _, d in ms if w == "copy_end"]
+        row = {"layer": layer}
+        if layer in layer_at and layer + 1 in layer_at:
+            row["host_layer_ms"] = layer_at[layer + 1][0] - layer_at[layer][0]
+            row["device_layer_ms"] = layer_at[layer + 1][1] - layer_at[layer][1]
+        if "experts" in first and "layer" in first:
+            row["host_attn_ms"] = first["experts"][0] - first["layer"][0]
+        if "routed" in first and "experts" in first:
+            row["host_route_ms"] = first["routed"][0] - first["experts"][0]
+        if "experts_end" in first and "routed" in first:
+            row["host_call_ms"] = first["experts_end"][0] - first["routed"][0]
+        if starts:
+            row["parts"] = len(starts)
+            row["copy_ms"] = sum(e - s for s, e in zip(starts, ends))
+            row["copy_gaps_ms"] = sum(s - e for e, s in zip(ends, starts[1:]))  # in order: s >= e
+            last_copy = max((d for d in done if d <= starts[0]), default=None)
+            if last_copy is not None:
+                row["boundary_ms"] = starts[0] - last_copy
+                if "routed" in first:
+                    row["boundary_gpu_ms"] = first["routed"][1] - last_copy
+                    row["boundary_plan_ms"] = starts[0] - first["routed"][1]
+            if "experts_end" in first:
+                row["tail_ms"] = first["experts_end"][1] - ends[-1]
+        rows.append(row)
+    streamed = [r for r in rows if "copy_ms" in r]
+    fields = sorted({k for r in rows for k in r} - {"layer"})
+    out = {"layers": rows, "median": {k: statistics.median(r[k] for r in rows if k in r) for k in fields}}
+    ends = [d for w, _, _, d in marks if w == "experts_end"]
+    device_ms = (max(ends) - marks[0][3]) if ends else float("nan")
+    copy_ms = sum(r["copy_ms"] for r in streamed)
+    out["total"] = {"device_ms": device_ms, "host_ms": max(h for _, _, h, _ in marks), "copy_ms": copy_ms,
+                    "copy_busy": copy_ms / device_ms if device_ms else float("nan"),
+                    "copy_gaps_ms": sum(r["copy_gaps_ms"] for r in streamed),
+                    "boundary_ms": sum(r.get("boundary_ms", 0.0) for r in streamed),
+                    "boundary_gpu_ms": sum(r.get("boundary_gpu_ms", 0.0) for r in streamed),
+                    "boundary_plan_ms": sum(r.get("boundary_plan_ms", 0.0) for r in streamed),
+                    "tail_ms": sum(r.get("tail_ms", 0.0) for r in streamed), "streamed_layers": len(streamed)}
+    return out
+
+
+def hook_layers(model, marks: Marks) -> list:
+    """Marks at each decoder layer's start and its experts call's start and end; returns the undo callables."""
+    undo = []
+    for i, layer in enumerate(model.model.layers):
+        undo.append(layer.register_forward_pre_hook(lambda m, a, i=i: marks.mark("layer", i)).remove)
+        experts = layer.mlp.experts
+        undo.append(experts.register_forward_pre_hook(lambda m, a, i=i: marks.mark("experts", i)).remove)
+        undo.append(experts.register_forward_hook(lambda m, a, o, i=i: marks.mark("experts_end", i)).remove)
+    return undo
+
+
+def instrument(model, mgr, marks: Marks) -> list:
+    """Hooks and wrappers that mark a Tiers ``model``'s prefill; returns the undo callables."""
+    import tiers.integration as integration
+
+    undo = hook_layers(model, marks)
+    copy = mgr.copy_stream
+    route = integration._route
+
+    def routed(self, binding, *a, **k):
+        out = route(self, binding, *a, **k)
+        marks.mark("routed", binding.layer)
+        return out
+    integration._route = routed
+    undo.append(lambda: setattr(integration, "_route", route))
+    pending: list = []  # the layer of a stream_part whose first read is not queued yet
+
+    def wrap(attr: str, before=None, after=None) -> None:
+        fn = getattr(mgr, attr)
+
+        def wrapped(*a, **k):
+            if before:
+                before(*a, **k)
+            out = fn(*a, **k)
+            if after:
+                after(*a, **k)
+            return out
+        setattr(mgr, attr, wrapped)
+        undo.append(lambda: delattr(mgr, attr))
+
+    def part_begins(s, p):
+        pending[:] = [s.layer]
+
+    def part_ends(s, p):
+        if not pending:  # a read was queued: the copy stream's last work is this part's copies
+            marks.mark("copy_end", s.layer, copy)
+        pending.clear()
+
+    def first_read(key, *a):
+        if pending:
+            marks.mark("copy_start", pending[0], copy)  # after the part's wait for its half
+            pending.clear()
+    wrap("stream_part", part_begins, part_ends)
+    wrap("_fetch", first_read)
+    wrap("wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
+    wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
+    wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
+    return undo
+
+
+# the engine's steps timed on the host (TierManager attributes)
+STEPS = ("begin_call", "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "upload_int_lists",
+         "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "stage_ahead", "note_used", "note_prediction")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3_moe")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--configs", default="int8:auto:0:0.25,int8:auto:0:0.5",
+                    help="comma-separated precision:staging_slots:prefetch_depth:gpu_fraction")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import tiers
+    import tiers.integration as integration
+    from bench.decode_split import Steps
+    from tiers.integration import manager_of
+    from tools.measure import build_packed, prefill_seconds, shape_of
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    work = Path(tempfile.mkdtemp(prefix="tiers-prefill-split-"))
+    try:
+        plain, packed = build_packed(args.model, args.layers, device, work)
+        ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
+        result = {"command": "python bench/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
+                  "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
+                  "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
+        prefill_seconds(plain, ids, device, 1)
+        marks = Marks(cuda)  # the untiered model's host time per layer, before and in its experts calls
+        undo = hook_layers(plain, marks)
+        with torch.no_grad():
+            marks.on = True
+            plain(ids)
+            marks.on = False
+        for u in undo:
+            u()
+        result["all_gpu"] = split(marks.resolved())["median"]
+        result["all_gpu"]["host_experts_ms"] = statistics.median(
+            b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
+        print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
+        for spec in args.configs.split(","):
+            precision, staging, depth, fraction = spec.split(":")
+            cfg = {"tiers": {"gpu": {"fraction": float(fraction), "staging_slots": staging if staging == "auto" else int(staging),
+                                     "prefetch_depth": int(depth)},
+                             "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
+            m = tiers.load(packed, cfg, device=device, progress=False)
+            mgr = manager_of(m)
+            marks = Marks(cuda)
+            undo = instrument(m, mgr, marks)
+            steps = Steps()
+            for attr in STEPS:
+                steps.wrap(mgr, attr, attr)
+            for attr in ("_route", "_run_windows"):
+                steps.wrap(integration, attr, attr)
+            reps = []
+            try:
+                prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
+                for _ in range(args.reps):
+                    mgr.reset_stats()
+                    t = prefill_seconds(m, ids, device, 1)
+                    moved = sum(mgr.stats().bytes_moved.values()) / 2  # prefill_seconds warms up once
+                    gpu = prefill_seconds(plain, ids, device, 1)
+                    marks.raw, marks.on = [], True
+                    steps.ms, steps.calls = {}, {}
+                    with torch.no_grad():
+                        m(ids)
+                    marks.on = False
+                    s = split(marks.resolved())
+                    s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
+                    s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
+                    reps.append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved,
+                                 "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
+            finally:
+                steps.restore()
+                for u in reversed(undo):
+                    u()
+            med = {k: statistics.median(r[k] for r in reps) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
+            med["over_bound"] = med["prefill_s"] / med["bound_s"]
+            for part in ("median", "total", "host_steps_ms", "host_step_calls"):
+                keys = sorted({k for r in reps for k in r[part]})
+                med[part] = {k: statistics.median(r[part][k] for r in reps if k in r[part]) for k in keys}
+            pool = mgr.pool_of[min(mgr.pool_of)]
+            result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": reps}
+            print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), flush=True)
+            for part in ("total", "median", "host_steps_ms", "host_step_calls"):
+                print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
+            mgr.close()
+            del m
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
