@@ -185,7 +185,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self.stack_limit: dict[int, int] = {}  # per pool: experts one stacked dequantization may take
         self._batch: _Batch | None = None  # the open staging batch
         self._warm_views: dict[tuple[int, int], torch.Tensor] = {}  # (host offset, bytes) -> that view of the pool
-        self._transit_views: dict[tuple[int, int, int], torch.Tensor] = {}  # (pool id, row, bytes) -> that row's first bytes
+        self._transit_views: dict[tuple[int, int, int, int], torch.Tensor] = {}  # (pool id, row, bytes, rows) -> those rows' first bytes
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device, shape) -> prepared field views
         self._stack_view_cache: dict[tuple, tuple[dict, dict]] = {}  # (pool id, blob layout, row, first slot, k) -> a stack's views
         self.stats_ = StatsCollector()
@@ -444,14 +444,17 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         precision = self._precision_of(r)
         nbytes = self.manifest.ref(key, precision).nbytes
         if r.home is Home.CPU:
-            place = (r.host_offset, nbytes)
-            view = self._warm_views.get(place)
-            if view is None:
-                view = self._warm_views[place] = self.host.view(r.host_offset, nbytes)
-            return precision, "cpu", view
+            return precision, "cpu", self._warm_view(r.host_offset, nbytes)
         src = self._ring(pool, slot, nbytes)
         self.disk.read(key, precision, src)
         return precision, "nvme", src
+
+    def _warm_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The host pool's bytes ``[offset, offset + nbytes)`` (a view made once per place)."""
+        view = self._warm_views.get((offset, nbytes))
+        if view is None:
+            view = self._warm_views[(offset, nbytes)] = self.host.view(offset, nbytes)
+        return view
 
     @contextmanager
     def staging(self) -> Iterator[None]:
@@ -582,8 +585,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         assert 0 < k <= rows_n, f"{k} copies for {rows_n} transit rows"
         row0 = self.next_row[pid] if self.next_row[pid] + k <= rows_n else 0
         self.next_row[pid] = (row0 + k) % rows_n
-        transit = self.transit[pid]
-        width = transit.shape[1]
+        width = self.transit[pid].shape[1]
         t0 = self.clock()
         with self.streams.use(self.copy_stream):
             self._mark_start(b)
@@ -595,9 +597,9 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 while j < k and srcs[j].data_ptr() == srcs[i].data_ptr() + (j - i) * width:
                     j += 1
                 nbytes = (j - i - 1) * width + srcs[j - 1].numel()
-                src = srcs[i] if j == i + 1 else self.host.view(srcs[i].data_ptr() - self.host.slab.data_ptr(), nbytes)
+                src = srcs[i] if j == i + 1 else self._warm_view(srcs[i].data_ptr() - self.host.slab.data_ptr(), nbytes)
                 self._check_pinned(src)
-                transit[row0 + i : row0 + j].view(-1)[:nbytes].copy_(src, non_blocking=True)
+                self._transit_row(pid, row0 + i, nbytes, rows=j - i).copy_(src, non_blocking=True)
                 i = j
         self._count_read("cpu", sum(src.numel() for src in srcs), t0)
         self._dequantize(b, _Stack(pool, blob, blob.precision, row0, list(slots)))
@@ -648,11 +650,13 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             got = self._stack_view_cache[key] = (self._views(blob, rows), {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()})
         return got
 
-    def _transit_row(self, pid: int, row: int, nbytes: int) -> torch.Tensor:
-        """The first ``nbytes`` of a transit row (a view made once)."""
-        view = self._transit_views.get((pid, row, nbytes))
+    def _transit_row(self, pid: int, row: int, nbytes: int, rows: int = 1) -> torch.Tensor:
+        """The first ``nbytes`` of transit rows ``[row, row + rows)``, flat (a view made once: on a
+        slow host each view costs about as much as the copy's own launch)."""
+        key = (pid, row, nbytes, rows)
+        view = self._transit_views.get(key)
         if view is None:
-            view = self._transit_views[(pid, row, nbytes)] = self.transit[pid][row, :nbytes]
+            view = self._transit_views[key] = self.transit[pid][row : row + rows].view(-1)[:nbytes]
         return view
 
     def _close(self, b: _Batch) -> None:

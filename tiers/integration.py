@@ -355,6 +355,10 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
     if s is None:
         return None
     try:
+        # parts 0 and 1 read into the two halves, which only wait for the call's start: queued
+        # first, so the copy engine runs while the host builds the sort keys below
+        for p in range(min(2, len(s.parts))):
+            mgr.stream_part(s, p)
         n_slots, k = s.pool.n_slots, top_k_index.shape[-1]
         key_of = [STREAM_KEY_END] * (self.num_experts + 1)
         groups = [[(h.slot, counts[h.key.expert]) for h in s.held]]
@@ -385,11 +389,10 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
             outs.append(_run_windows(proxy, xs[row : row + n], windows[i], offsets[i], None if slot_ids is None else slot_ids[row : row + n]))
             row += n
 
-        mgr.stream_part(s, 0)
         mgr.wait_all(s.held)
         run(0)
         for p in range(len(s.parts)):
-            if p + 1 < len(s.parts):
+            if 0 < p < len(s.parts) - 1:
                 mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
             mgr.wait_part(s, p)
             run(p + 1)
