@@ -256,7 +256,9 @@ def main() -> int:
                 for _ in range(args.reps):
                     mgr.reset_stats()
                     t = prefill_seconds(m, ids, device, 1)
-                    moved = sum(mgr.stats().bytes_moved.values()) / 2  # prefill_seconds warms up once
+                    st = mgr.stats()
+                    moved = sum(st.bytes_moved.values()) / 2  # prefill_seconds warms up once
+                    ahead = {k: st.prefetch[k] for k in ("issued", "used", "accuracy", "wasted_bytes")}  # over both
                     gpu = prefill_seconds(plain, ids, device, 1)
                     marks.raw, marks.on = [], True
                     steps.ms, steps.calls = {}, {}
@@ -266,7 +268,7 @@ def main() -> int:
                     s = split(marks.resolved())
                     s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
                     s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
-                    reps.append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved,
+                    reps.append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
                                  "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
             finally:
                 steps.restore()
@@ -274,12 +276,13 @@ def main() -> int:
                     u()
             med = {k: statistics.median(r[k] for r in reps) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
             med["over_bound"] = med["prefill_s"] / med["bound_s"]
+            med["prefetch"] = reps[-1]["prefetch"]
             for part in ("median", "total", "host_steps_ms", "host_step_calls"):
                 keys = sorted({k for r in reps for k in r[part]})
                 med[part] = {k: statistics.median(r[part][k] for r in reps if k in r[part]) for k in keys}
             pool = mgr.pool_of[min(mgr.pool_of)]
             result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": reps}
-            print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), flush=True)
+            print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), json.dumps(med["prefetch"]), flush=True)
             for part in ("total", "median", "host_steps_ms", "host_step_calls"):
                 print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
             mgr.close()
