@@ -171,6 +171,21 @@ class _SlotExperts:
         self._is_expert_parallel = False
         for name, slab in slabs.items():
             setattr(self, name, slab)
+        self._windows: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    WINDOWS = 4096  # window views kept at most (a long call's halves reuse a handful; decode's vary)
+
+    def window(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Slots ``[lo, hi)`` of slab ``name`` as grouped_mm takes them (``[n, in, out]``): a view
+        made once per window, since on a slow host each view op costs about a kernel launch."""
+        key = (name, lo, hi)
+        w = self._windows.get(key)
+        if w is None:
+            if len(self._windows) >= self.WINDOWS:
+                self._windows.clear()
+            w = getattr(self, name)[lo:hi]
+            w = self._windows[key] = w if self.is_transposed else w.transpose(-2, -1)
+        return w
 
 
 def _proxy(module: torch.nn.Module, slabs: dict[str, torch.Tensor], n_slots: int) -> _SlotExperts:
@@ -272,10 +287,10 @@ def _run_windows(proxy: _SlotExperts, xs: torch.Tensor, windows: list[dict], off
         offs = offsets[at : at + hi - lo]
         at += hi - lo
         bias = getattr(proxy, up + "_bias")[slot_ids[a:b]] if proxy.has_bias else None
-        h = _grouped_linear(xs[a:b], getattr(proxy, up)[lo:hi], offs, bias=bias, is_transposed=proxy.is_transposed)  # [m, 2I] or [m, I]
+        h = _grouped_linear(xs[a:b], proxy.window(up, lo, hi), offs, bias=bias, is_transposed=True)  # [m, 2I] or [m, I]
         h = proxy._apply_gate(h) if proxy.has_gate else proxy.act_fn(h)  # [m, I]
         bias = proxy.down_proj_bias[slot_ids[a:b]] if proxy.has_bias else None
-        outs.append(_grouped_linear(h, proxy.down_proj[lo:hi], offs, bias=bias, is_transposed=proxy.is_transposed))  # [m, H]
+        outs.append(_grouped_linear(h, proxy.window("down_proj", lo, hi), offs, bias=bias, is_transposed=True))  # [m, H]
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return proxy.post_expert_norm(y) if proxy.has_post_expert_norm else y
 

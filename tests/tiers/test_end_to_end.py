@@ -396,3 +396,24 @@ def test_missing_config_json_is_named(tmp_path, packed_factory):
     (packed / "config.json").unlink()
     with pytest.raises(ValueError, match="has no config.json"):
         tiers.load(packed, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_window_views_are_the_slab_rows_grouped_mm_takes_made_once(transposed, monkeypatch):
+    """``_SlotExperts.window``: slots [lo, hi) of a slab as ``[n, in, out]`` (transposed unless
+    the module stores it so), the same view object on every call, and a bounded cache."""
+    from tiers.integration import _SlotExperts
+
+    module = type("Experts", (), {"has_gate": True, "has_bias": False, "is_transposed": transposed, "is_concatenated": True,
+                                  "act_fn": torch.nn.functional.silu, "_apply_gate": None})()
+    slab = torch.arange(6 * 4 * 3, dtype=torch.float32).view(6, 4, 3)
+    proxy = _SlotExperts(module, {"down_proj": slab}, 6)
+    w = proxy.window("down_proj", 1, 4)
+    want = slab[1:4] if transposed else slab[1:4].transpose(-2, -1)
+    assert torch.equal(w, want) and w.data_ptr() == slab[1].data_ptr()
+    assert proxy.window("down_proj", 1, 4) is w
+    monkeypatch.setattr(_SlotExperts, "WINDOWS", 3)
+    for lo in range(3):
+        proxy.window("down_proj", lo, lo + 2)
+    assert len(proxy._windows) <= 3 and proxy.window("down_proj", 1, 4) is not w  # cleared, made again
+    assert torch.equal(proxy.window("down_proj", 1, 4), want)
