@@ -772,9 +772,9 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 self.table.apply(h.key, Op.READY)
         self._wait_latest(pending)
 
-    def _wait_latest(self, pending: list[tuple[Any, Any, int]], timed: bool = True) -> None:
+    def _wait_latest(self, pending: list[tuple[Any, Any, int]]) -> None:
         """Order the compute stream after pending writes, (event, stream, record order) each: one
-        wait per stream, on the latest of its events; ``timed``: the wait counts as stall time."""
+        wait per stream, on the latest of its events."""
         latest: dict[int, tuple[int, Any]] = {}
         for ev, stream, order in pending:
             if id(stream) not in latest or order > latest[id(stream)][0]:
@@ -783,7 +783,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             return
         compute = self.streams.current()
         e0 = None
-        if self.timing and timed:
+        if self.timing:
             e0 = self.streams.event(timing=True)
             e0.record(compute)
         for _, ev in latest.values():

@@ -177,14 +177,12 @@ class StreamedCalls:
         return not scheme.lossless and scheme.stacks and self.stack_limit[id(pool)] > 1
 
     def wait_part(self, s: Stream, p: int) -> None:
-        """Order the compute stream after part ``p``'s reads; call before its first kernel. Not
-        timed as a stall: a pair of timing events per part cost the host about as much as the
-        part's GEMM launches, and a long call is bound by the host."""
-        self._wait_slots(s.pool, s.slots(p), timed=False)
+        """Order the compute stream after part ``p``'s reads; call before its first kernel."""
+        self._wait_slots(s.pool, s.slots(p))
 
-    def _wait_slots(self, pool: Any, slots: list[int], timed: bool = True) -> None:
+    def _wait_slots(self, pool: Any, slots: list[int]) -> None:
         """Order the compute stream after the pending writes of held ``slots`` (one wait per stream)."""
-        self._wait_latest([w for w in (pool.take_ready(slot) for slot in slots) if w is not None], timed=timed)
+        self._wait_latest([w for w in (pool.take_ready(slot) for slot in slots) if w is not None])
 
     def end_part(self, s: Stream, p: int) -> None:
         """Part ``p``'s kernels are queued: its half may be read into again after them."""

@@ -120,8 +120,7 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
     which precedes part p's kernels; parts alternate between two disjoint halves. With ``ahead``
     of the call's experts read ahead into staging slots first, those are not read again: they
     open parts 0 and 1, and the compute stream waits on their read-ahead before those kernels.
-    ``first_two``: parts 0 and 1 are queued before any kernel, as ``_grouped_streamed`` does.
-    The per-part waits are not timed (no timing event), the held experts' wait is."""
+    ``first_two``: parts 0 and 1 are queued before any kernel, as ``_grouped_streamed`` does."""
     from test_engine import _recorded_manager
 
     mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
@@ -137,10 +136,7 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
     assert not set(s.halves[0]) & set(s.halves[1])
     assert s.preloaded == set(warm[-ahead:] if ahead else []) and s.preloaded <= set(s.parts[0] + s.parts[1])
     assert sorted(e for part in s.parts for e in part) == warm and not s.held or all(mgr.table[h.key].pinned for h in s.held)
-    kernels, timed = {}, []
-    event = mgr.streams.event
-    mgr.streams.event = lambda timing=False: timed.append(timing) or event(timing)
-    mgr.timing = True
+    kernels = {}
     mgr.stream_part(s, 0)
     if first_two:
         mgr.stream_part(s, 1)
@@ -148,9 +144,7 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
     for p in range(len(s.parts)):
         if p + 1 < len(s.parts) and not (first_two and p == 0):
             mgr.stream_part(s, p + 1)
-        before = len(timed)
         mgr.wait_part(s, p)
-        assert not any(timed[before:]), f"part {p}'s wait made a timing event"
         kernels[p] = len(rec.order)
         rec.order.append(("kernels", p, None))
         mgr.end_part(s, p)
@@ -458,20 +452,3 @@ def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(de
     _assert_close(want, got, device, f"layer {layer}")
     _assert_consistent(mgr)
 
-
-def test_a_decode_wait_is_timed_as_a_stall(packed_factory):
-    """The general path's wait for held experts still times the compute stream's stall."""
-    from test_engine import _recorded_manager
-
-    mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
-    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
-    warm = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].pinned][:2]
-    timed = []
-    event = mgr.streams.event
-    mgr.streams.event = lambda timing=False: timed.append(timing) or event(timing)
-    mgr.timing = True
-    held = mgr.acquire_layer(layer, warm)
-    before = len(timed)
-    mgr.wait_all(held)
-    assert timed[before:] == [True, True], "a pair of timing events around the wait"
-    mgr.release_all(held)
