@@ -5,8 +5,10 @@
 
 A profiler slows the host about two-fold, which changes whether the copy engine waits on Python
 or Python on the GPU, so this measures with clocks alone. Each config is precision : staging
-slots : prefetch depth : GPU fraction (the rest warm). One prefill is timed plain (``prefill_s``,
-against the untiered model's in the same repetition), then once more with marks: a host clock
+slots : prefetch depth : GPU fraction (the rest warm); every config's model is loaded up front and
+each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
+the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
+against the untiered model's of that repetition), then once more with marks: a host clock
 reading and a CUDA timing event at each decoder layer's start, each experts call's start, the
 return of its route sync, each streamed part's copies (events on the copy stream, the first one
 queued after the part's wait for its half), each part's kernels (compute stream) and the call's
@@ -236,57 +238,59 @@ def main() -> int:
         result["all_gpu"]["host_experts_ms"] = statistics.median(
             b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
         print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
+        loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
         for spec in args.configs.split(","):
             precision, staging, depth, fraction = spec.split(":")
             cfg = {"tiers": {"gpu": {"fraction": float(fraction), "staging_slots": staging if staging == "auto" else int(staging),
                                      "prefetch_depth": int(depth)},
                              "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
             m = tiers.load(packed, cfg, device=device, progress=False)
-            mgr = manager_of(m)
-            marks = Marks(cuda)
-            undo = instrument(m, mgr, marks)
-            steps = Steps()
-            for attr in STEPS:
-                steps.wrap(mgr, attr, attr)
-            for attr in ("_route", "_run_windows"):
-                steps.wrap(integration, attr, attr)
-            reps = []
-            try:
-                prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
-                for _ in range(args.reps):
-                    mgr.reset_stats()
-                    t = prefill_seconds(m, ids, device, 1)
-                    st = mgr.stats()
-                    moved = sum(st.bytes_moved.values()) / 2  # prefill_seconds warms up once
-                    ahead = {k: st.prefetch[k] for k in ("issued", "used", "accuracy", "wasted_bytes")}  # over both
-                    gpu = prefill_seconds(plain, ids, device, 1)
-                    marks.raw, marks.on = [], True
-                    steps.ms, steps.calls = {}, {}
+            prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
+            loaded[spec] = (cfg, m, manager_of(m))
+        reps = {spec: [] for spec in loaded}
+        for _ in range(args.reps):
+            gpu = prefill_seconds(plain, ids, device, 1)
+            for spec, (cfg, m, mgr) in loaded.items():
+                mgr.reset_stats()
+                t = prefill_seconds(m, ids, device, 1)
+                st = mgr.stats()
+                moved = sum(st.bytes_moved.values()) / 2  # prefill_seconds warms up once
+                ahead = {k: st.prefetch[k] for k in ("issued", "used", "accuracy", "wasted_bytes")}  # over both
+                marks = Marks(cuda)
+                undo = instrument(m, mgr, marks)
+                steps = Steps()
+                for attr in STEPS:
+                    steps.wrap(mgr, attr, attr)
+                for attr in ("_route", "_run_windows"):
+                    steps.wrap(integration, attr, attr)
+                try:
+                    marks.on = True
                     with torch.no_grad():
                         m(ids)
                     marks.on = False
-                    s = split(marks.resolved())
-                    s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
-                    s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
-                    reps.append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
-                                 "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
-            finally:
-                steps.restore()
-                for u in reversed(undo):
-                    u()
-            med = {k: statistics.median(r[k] for r in reps) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
+                finally:
+                    steps.restore()
+                    for u in reversed(undo):
+                        u()
+                s = split(marks.resolved())
+                s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
+                s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
+                reps[spec].append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
+                                   "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
+        for spec, (cfg, m, mgr) in loaded.items():
+            r = reps[spec]
+            med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
             med["over_bound"] = med["prefill_s"] / med["bound_s"]
-            med["prefetch"] = reps[-1]["prefetch"]
+            med["prefetch"] = r[-1]["prefetch"]
             for part in ("median", "total", "host_steps_ms", "host_step_calls"):
-                keys = sorted({k for r in reps for k in r[part]})
-                med[part] = {k: statistics.median(r[part][k] for r in reps if k in r[part]) for k in keys}
+                keys = sorted({k for x in r for k in x[part]})
+                med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
             pool = mgr.pool_of[min(mgr.pool_of)]
-            result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": reps}
+            result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r}
             print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), json.dumps(med["prefetch"]), flush=True)
             for part in ("total", "median", "host_steps_ms", "host_step_calls"):
                 print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
             mgr.close()
-            del m
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     finally:
