@@ -191,12 +191,13 @@ def instrument(model, mgr, marks: Marks) -> list:
     wrap("wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
     wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
     wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
+    wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
     return undo
 
 
 # the engine's steps timed on the host (TierManager attributes)
 STEPS = ("begin_call", "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "upload_int_lists",
-         "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "stage_ahead", "note_used", "note_prediction")
+         "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "read_ahead", "stage_ahead", "note_used", "note_prediction")
 
 
 def main() -> int:

@@ -95,12 +95,13 @@ class Prefetcher:
                     self._complete(ring_key)
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
-        self.predicted[layer] = set(experts)
+        """``experts``: predicted for ``layer``'s next call, most likely first."""
+        self.predicted[layer] = list(experts)
 
     def note_used(self, layer: int, experts: list[int]) -> None:
         """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""
         predicted = self.predicted.pop(layer, None)
         if predicted is not None:
-            self.stats_.prefetch_correct += len(predicted.intersection(experts))
+            self.stats_.prefetch_correct += len(set(predicted).intersection(experts))
             self.stats_.prefetch_used_total += len(experts)
 

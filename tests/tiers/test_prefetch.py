@@ -186,3 +186,41 @@ def test_zero_reader_threads_reads_synchronously(packed_factory):
     cold = [k for k in mgr.placement.cold if k.layer == 0][:1]
     assert mgr.prefetch(0, [cold[0].expert]) == 1
     assert not mgr.pending and mgr.stats().prefetch["async_reads"] == 0
+
+
+class _Notes:
+    """What ``_route`` tells the manager."""
+
+    def __init__(self):
+        self.used, self.predicted = {}, {}
+
+    def note_used(self, layer, experts):
+        self.used[layer] = experts
+
+    def note_prediction(self, layer, experts):
+        self.predicted[layer] = experts
+
+
+def _predicted(per: list[int], scale: int) -> list[int]:
+    """What ``_route`` predicts for the next layer when ``per[e] * scale`` rows of this layer's
+    input send their largest next-layer logit to expert ``e`` (the router is the identity)."""
+    from tiers.integration import LayerBinding, _route
+
+    n = len(per)
+    eye = torch.eye(n)
+    hidden = eye[[e for e, c in enumerate(per) for _ in range(c * scale)]]  # [T, n]
+    notes = _Notes()
+    module = type("Experts", (), {"num_experts": n})()
+    hit, counts, _ = _route(module, LayerBinding(0, notes, ((1, eye),)), hidden, torch.zeros(len(hidden), 1, dtype=torch.long))
+    assert hit == [0] and counts[0] == len(hidden) and notes.used[0] == [0]
+    return notes.predicted[1]
+
+
+@pytest.mark.parametrize("scale", [1, 40])  # host-routed picks (decode-sized calls) and counts on the device (long calls)
+def test_predictions_rank_experts_by_predicted_rows(scale):
+    """The next layer's router on this layer's input: experts ordered by how many rows it sends
+    them, ties in expert order; a prediction of nearly the whole layer lists the rest after."""
+    assert _predicted([3, 0, 5, 1], scale) == [2, 0, 3]
+    assert _predicted([1, 1, 0, 1], scale) == [0, 1, 3]
+    # 9 of 10 experts predicted (at least 90%): the whole layer, the unpredicted one last
+    assert _predicted([1, 2, 1, 1, 1, 0, 1, 1, 1, 4], scale) == [9, 1, 0, 2, 3, 4, 6, 7, 8, 5]
