@@ -191,7 +191,8 @@ def instrument(model, mgr, marks: Marks) -> list:
     wrap("wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
     wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
     wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
-    wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
+    if hasattr(mgr, "read_ahead"):  # the streamed read-ahead tried in prefill_split-qwen3_moe-ahead*.json
+        wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
     return undo
 
 
@@ -260,7 +261,7 @@ def main() -> int:
                 marks = Marks(cuda)
                 undo = instrument(m, mgr, marks)
                 steps = Steps()
-                for attr in STEPS:
+                for attr in (a for a in STEPS if hasattr(mgr, a)):
                     steps.wrap(mgr, attr, attr)
                 for attr in ("_route", "_run_windows"):
                     steps.wrap(integration, attr, attr)

@@ -80,8 +80,7 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     k = top_k_index.shape[-1]
     for i, (_, weight) in enumerate(binding.lookahead):
         logits = hidden_states.to(weight.dtype) @ weight.t()  # [T, E'] the next layer's router on this layer's input
-        picked = torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1)
-        ahead[i, : weight.shape[0]].index_add_(0, picked, torch.ones_like(picked, dtype=torch.int32))  # predicted rows per expert
+        ahead[i, : weight.shape[0]].index_fill_(0, torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1), 1)
     # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
     if host_picks:
         values = torch.cat([flat.to(torch.int32), flags.reshape(-1)]).tolist() if d else flat.tolist()
@@ -99,9 +98,9 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     mgr = binding.manager
     mgr.note_used(binding.layer, hit)
     for (layer, weight), row in zip(binding.lookahead, rows):
-        predicted = sorted((e for e, used in enumerate(row[: weight.shape[0]]) if used), key=lambda e: -row[e])  # most rows first
+        predicted = [e for e, used in enumerate(row[: weight.shape[0]]) if used]
         if len(predicted) >= WHOLE_LAYER * weight.shape[0]:
-            predicted += [e for e in range(weight.shape[0]) if not row[e]]
+            predicted = list(range(weight.shape[0]))
         mgr.note_prediction(layer, predicted)
     return hit, counts, picks
 
@@ -114,7 +113,7 @@ def _prefetch(binding: LayerBinding, limit: int | None = None, direct: bool = Tr
     for layer, _ in binding.lookahead:
         predicted = mgr.predicted.get(layer)
         if predicted and layer not in mgr.static_maps:
-            mgr.prefetch(layer, predicted, limit, direct)
+            mgr.prefetch(layer, sorted(predicted), limit, direct)
 
 
 def tiers_experts_forward(
@@ -418,14 +417,12 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
         return out.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
     finally:
         mgr.end_stream(s)
+        # into half the slots just given back, behind this call's kernels: a long next call finds
+        # those resident and streams its other misses through the other half
+        limit = (s.pool.n_slots - mgr.hot_count[id(s.pool)]) // 2
         if binding.lookahead:
-            # the next layer's predicted misses into the slots just given back, behind this call's
-            # kernels: a long next call finds them resident and streams its other misses after them
-            layer = binding.lookahead[0][0]
-            if s.ended == len(s.parts) and mgr.predicted.get(layer):
-                mgr.read_ahead(s, layer, mgr.predicted[layer])
-        else:  # no router predictions: the next layer in expert order into half the slots, if this call is long enough
-            limit = (s.pool.n_slots - mgr.hot_count[id(s.pool)]) // 2
+            _prefetch(binding, limit, direct=mgr.stream_direct)
+        else:  # no router predictions: the next layer in expert order, if this call is long enough
             mgr.stage_ahead(binding.layer, hidden_states.shape[0], top_k_index.shape[-1], limit)
 
 

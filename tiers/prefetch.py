@@ -95,13 +95,12 @@ class Prefetcher:
                     self._complete(ring_key)
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
-        """``experts``: predicted for ``layer``'s next call, most likely first."""
-        self.predicted[layer] = list(experts)
+        self.predicted[layer] = set(experts)
 
     def note_used(self, layer: int, experts: list[int]) -> None:
         """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""
         predicted = self.predicted.pop(layer, None)
         if predicted is not None:
-            self.stats_.prefetch_correct += len(set(predicted).intersection(experts))
+            self.stats_.prefetch_correct += len(predicted.intersection(experts))
             self.stats_.prefetch_used_total += len(experts)
 

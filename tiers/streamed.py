@@ -33,7 +33,7 @@ from typing import Any
 
 import quant
 from loader.layout import ExpertKey
-from tiers.residency import Home, Op
+from tiers.residency import Home
 
 
 @dataclass
@@ -143,52 +143,6 @@ class StreamedCalls:
             return 0
         rows = [self.table[ExpertKey(nxt, e)] for e in range(n)]
         return self.prefetch(nxt, [e for e, r in enumerate(rows) if r.slot is None and r.home is Home.CPU], limit, direct=self.stream_direct)
-
-    def read_ahead(self, s: Stream, layer: int, experts: list[int]) -> int:
-        """After streamed call ``s`` gave its halves back: read ``layer``'s warm experts among
-        ``experts`` (predicted, most likely first) into them as cached residents, a half at a time,
-        each half as one part is read (one copy run and one stacked dequantization for small INT8
-        experts). The half the call's last part did not use goes first: its last reader's kernels
-        were queued a part earlier, so its reads follow the call's own on the copy engine while the
-        host runs on to the next layer's attention and route. A long next call at ``layer`` finds
-        them where they are (``begin_stream``) and reads only the rest; a wrong guess is evicted
-        and counted as wasted. Returns how many were read."""
-        pool = self.pool_of.get(layer)
-        if pool is not s.pool or layer in self.static_maps:
-            return 0
-        todo = [e for e in experts if self.table[ExpertKey(layer, e)].slot is None and self.table[ExpertKey(layer, e)].home is Home.CPU]
-        last = (len(s.parts) - 1) % 2
-        issued = 0
-        for h in (1 - last, last):
-            slots = [slot for slot in s.halves[h] if pool.readers[slot] == 0 and pool.owner[slot] is None][: len(todo)]
-            if not slots:
-                continue
-            batch, todo = todo[: len(slots)], todo[len(slots) :]
-            self._read_run(pool, [ExpertKey(layer, e) for e in batch], slots)
-            issued += len(batch)
-        return issued
-
-    def _read_run(self, pool: Any, keys: list[ExpertKey], slots: list[int]) -> None:
-        """Stage warm ``keys`` into empty unheld ``slots`` (one each) as read-aheads, in one batch."""
-        lru = self.cache[id(pool)]
-        with self.staging():
-            b, srcs = self._batch, []
-            for key, slot in zip(keys, slots):
-                precision, source, src = self._fetch(key, self.table[key], pool, slot)
-                pool.begin_write(slot, key, self.copy_stream, waited=b.waited)  # after the slot's last reader
-                b.staged.add((id(pool), slot))
-                self.table.apply(key, Op.STAGE, slot)
-                lru.assign(slot, key)
-                self.prefetched[key] = src.numel()
-                self.stats_.prefetch_issued += 1
-                self.stats_.prefetch_bytes += src.numel()
-                srcs.append(src)
-            blob = self.manifest.blob(keys[0], precision)
-            if self._runs_copy(pool, blob):
-                self._stage_copy_run(b, pool, blob, slots, srcs)
-            else:
-                for key, slot, src in zip(keys, slots, srcs):
-                    self._queue_read(b, key, pool, slot, precision, source, src, direct=self.stream_direct)
 
     def stream_part(self, s: Stream, p: int) -> None:
         """Queue the reads of part ``p``'s misses into its half, after that half's last kernels."""
