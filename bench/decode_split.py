@@ -34,9 +34,7 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 import argparse  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -144,10 +142,10 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, shape_of
+    from tools.measure import build_packed, decode_ms_per_token, scratch_dir, shape_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="tiers-split-"))
+    work = scratch_dir("tiers-split-")
     model, packed = build_packed(args.model, args.layers, device, work)
     shape = shape_of(args.model, args.layers, device)
     g = torch.Generator().manual_seed(1)
@@ -214,7 +212,6 @@ def main() -> int:
         del m
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -16,7 +16,6 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -34,11 +33,11 @@ def main() -> int:
     args = ap.parse_args()
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds
+    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    plain, packed = build_packed(args.model, args.layers, device, Path(tempfile.mkdtemp(prefix="tiers-ab-")))
+    plain, packed = build_packed(args.model, args.layers, device, scratch_dir("tiers-ab-"))
     m = tiers.load(packed, {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"budget": "1TB", "precision": "int8"}}},
                    device=device, progress=False)
     mgr = manager_of(m)

@@ -18,9 +18,7 @@ import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -40,10 +38,10 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, sync, shape_of
+    from tools.measure import build_packed, scratch_dir, shape_of, sync
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="tiers-gc-"))
+    work = scratch_dir("tiers-gc-")
     model, packed = build_packed(args.model, args.layers, device, work)
     shape = shape_of(args.model, args.layers, device)
     g = torch.Generator().manual_seed(1)
@@ -102,7 +100,6 @@ def main() -> int:
     print(json.dumps(result, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

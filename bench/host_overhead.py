@@ -20,7 +20,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -82,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from tools.bench import build
 
     torch.set_num_threads(1)  # host overhead, not intra-op parallelism of tiny kernels
-    work = Path(tempfile.mkdtemp(prefix="tiers-host-"))
+    from tools.measure import scratch_dir
+
+    work = scratch_dir("tiers-host-")
     build("qwen3_moe", dict(SHAPE), torch.device("cpu")).save_pretrained(work / "hf")
     pack(work / "hf", work / "packed", precisions=["bf16", "int8"], progress=False)
     rows = [measure(args.calls, staging, cache, work / "packed") for staging in (4, 16) for cache in ("forecast", "lru")]

@@ -20,7 +20,6 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -42,11 +41,11 @@ def main() -> int:
     args = ap.parse_args()
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds
+    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    plain, packed = build_packed(args.model, args.layers, device, Path(tempfile.mkdtemp(prefix="tiers-prefill-ab-")))
+    plain, packed = build_packed(args.model, args.layers, device, scratch_dir("tiers-prefill-ab-"))
     ids = torch.randint(0, plain.config.vocab_size, (1, 2048 if cuda else 64), generator=torch.Generator().manual_seed(1)).to(device)
     prompt = ids[:, :16]
     prefill_seconds(plain, ids, device, 1)

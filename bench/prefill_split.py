@@ -42,9 +42,7 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import shutil  # noqa: E402
 import statistics  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -216,87 +214,84 @@ def main() -> int:
     import tiers.integration as integration
     from bench.decode_split import Steps
     from tiers.integration import manager_of
-    from tools.measure import build_packed, prefill_seconds, shape_of
+    from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="tiers-prefill-split-"))
-    try:
-        plain, packed = build_packed(args.model, args.layers, device, work)
-        ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
-        result = {"command": "python bench/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
-                  "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
-                  "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
-        prefill_seconds(plain, ids, device, 1)
-        marks = Marks(cuda)  # the untiered model's host time per layer, before and in its experts calls
-        undo = hook_layers(plain, marks)
-        with torch.no_grad():
-            marks.on = True
-            plain(ids)
-            marks.on = False
-        for u in undo:
-            u()
-        result["all_gpu"] = split(marks.resolved())["median"]
-        result["all_gpu"]["host_experts_ms"] = statistics.median(
-            b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
-        print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
-        loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
-        for spec in args.configs.split(","):
-            precision, staging, depth, fraction = spec.split(":")
-            cfg = {"tiers": {"gpu": {"fraction": float(fraction), "staging_slots": staging if staging == "auto" else int(staging),
-                                     "prefetch_depth": int(depth)},
-                             "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
-            m = tiers.load(packed, cfg, device=device, progress=False)
-            prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
-            loaded[spec] = (cfg, m, manager_of(m))
-        reps = {spec: [] for spec in loaded}
-        for _ in range(args.reps):
-            gpu = prefill_seconds(plain, ids, device, 1)
-            for spec, (cfg, m, mgr) in loaded.items():
-                mgr.reset_stats()
-                t = prefill_seconds(m, ids, device, 1)
-                st = mgr.stats()
-                moved = sum(st.bytes_moved.values()) / 2  # prefill_seconds warms up once
-                ahead = {k: st.prefetch[k] for k in ("issued", "used", "accuracy", "wasted_bytes")}  # over both
-                marks = Marks(cuda)
-                undo = instrument(m, mgr, marks)
-                steps = Steps()
-                for attr in (a for a in STEPS if hasattr(mgr, a)):
-                    steps.wrap(mgr, attr, attr)
-                for attr in ("_route", "_run_windows"):
-                    steps.wrap(integration, attr, attr)
-                try:
-                    marks.on = True
-                    with torch.no_grad():
-                        m(ids)
-                    marks.on = False
-                finally:
-                    steps.restore()
-                    for u in reversed(undo):
-                        u()
-                s = split(marks.resolved())
-                s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
-                s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
-                reps[spec].append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
-                                   "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
+    work = scratch_dir("tiers-prefill-split-")
+    plain, packed = build_packed(args.model, args.layers, device, work)
+    ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
+    result = {"command": "python bench/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
+              "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
+              "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
+    prefill_seconds(plain, ids, device, 1)
+    marks = Marks(cuda)  # the untiered model's host time per layer, before and in its experts calls
+    undo = hook_layers(plain, marks)
+    with torch.no_grad():
+        marks.on = True
+        plain(ids)
+        marks.on = False
+    for u in undo:
+        u()
+    result["all_gpu"] = split(marks.resolved())["median"]
+    result["all_gpu"]["host_experts_ms"] = statistics.median(
+        b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
+    print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
+    loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
+    for spec in args.configs.split(","):
+        precision, staging, depth, fraction = spec.split(":")
+        cfg = {"tiers": {"gpu": {"fraction": float(fraction), "staging_slots": staging if staging == "auto" else int(staging),
+                                 "prefetch_depth": int(depth)},
+                         "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
+        m = tiers.load(packed, cfg, device=device, progress=False)
+        prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
+        loaded[spec] = (cfg, m, manager_of(m))
+    reps = {spec: [] for spec in loaded}
+    for _ in range(args.reps):
+        gpu = prefill_seconds(plain, ids, device, 1)
         for spec, (cfg, m, mgr) in loaded.items():
-            r = reps[spec]
-            med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
-            med["over_bound"] = med["prefill_s"] / med["bound_s"]
-            med["prefetch"] = r[-1]["prefetch"]
-            for part in ("median", "total", "host_steps_ms", "host_step_calls"):
-                keys = sorted({k for x in r for k in x[part]})
-                med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
-            pool = mgr.pool_of[min(mgr.pool_of)]
-            result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r}
-            print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), json.dumps(med["prefetch"]), flush=True)
-            for part in ("total", "median", "host_steps_ms", "host_step_calls"):
-                print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
-            mgr.close()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            mgr.reset_stats()
+            t = prefill_seconds(m, ids, device, 1)
+            st = mgr.stats()
+            moved = sum(st.bytes_moved.values()) / 2  # prefill_seconds warms up once
+            ahead = {k: st.prefetch[k] for k in ("issued", "used", "accuracy", "wasted_bytes")}  # over both
+            marks = Marks(cuda)
+            undo = instrument(m, mgr, marks)
+            steps = Steps()
+            for attr in (a for a in STEPS if hasattr(mgr, a)):
+                steps.wrap(mgr, attr, attr)
+            for attr in ("_route", "_run_windows"):
+                steps.wrap(integration, attr, attr)
+            try:
+                marks.on = True
+                with torch.no_grad():
+                    m(ids)
+                marks.on = False
+            finally:
+                steps.restore()
+                for u in reversed(undo):
+                    u()
+            s = split(marks.resolved())
+            s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
+            s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
+            reps[spec].append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
+                               "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
+    for spec, (cfg, m, mgr) in loaded.items():
+        r = reps[spec]
+        med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
+        med["over_bound"] = med["prefill_s"] / med["bound_s"]
+        med["prefetch"] = r[-1]["prefetch"]
+        for part in ("median", "total", "host_steps_ms", "host_step_calls"):
+            keys = sorted({k for x in r for k in x[part]})
+            med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
+        pool = mgr.pool_of[min(mgr.pool_of)]
+        result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r}
+        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), json.dumps(med["prefetch"]), flush=True)
+        for part in ("total", "median", "host_steps_ms", "host_step_calls"):
+            print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
+        mgr.close()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

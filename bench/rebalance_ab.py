@@ -16,7 +16,6 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -33,7 +32,9 @@ def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
     from tools.bench import build
     from tools.routing import TraceRouting
 
-    work = Path(tempfile.mkdtemp(prefix="tiers-ab-"))
+    from tools.measure import scratch_dir
+
+    work = scratch_dir("tiers-ab-")
     model = build("mixtral", dict(SHAPE), torch.device("cpu"))
     model.save_pretrained(work / "hf")
     pack(work / "hf", work / "packed", precisions=["bf16", "int8"], progress=False)

@@ -15,8 +15,6 @@ import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import io  # noqa: E402
 import pstats  # noqa: E402
-import shutil  # noqa: E402
-import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -32,10 +30,10 @@ def main() -> int:
     import transformers.integrations.moe as moe
     from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token
+    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, scratch_dir
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    work = Path(tempfile.mkdtemp(prefix="tiers-static-"))
+    work = scratch_dir("tiers-static-")
     shape = dict((SHAPES if torch.cuda.is_available() else TINY)[args.model], layers=args.layers)
     plain = build(args.model, shape, device)
     plain.save_pretrained(work / "hf")
@@ -76,7 +74,6 @@ def main() -> int:
         buf = io.StringIO()
         pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(40)
         print(f"== {name} ==\n" + buf.getvalue())
-    shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -1,13 +1,17 @@
 """What the bench measures with: random-weight models of real shapes, timing, the naive lazy
 ``.to()`` baseline and the H2D copy sweep.
 
-Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build`` (and ``build_packed``), the timing helpers
+Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build`` (and ``build_packed``), scratch directories, the timing helpers
 (median of repetitions after a warm-up, with a device sync around each), the lazy experts forward
 registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends with a device
 sync, so it measures finished work.
 """
+import atexit
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +29,14 @@ TINY = {
                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       vocab_size=512, decoder_sparse_step=1, mlp_only_layers=[], layers=3),
 }
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A new temporary directory, removed when the process exits (normally or on an exception):
+    the bench scripts pack multi-GB checkpoints into it."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)
+    return work
 
 
 def sync(device: torch.device) -> None:
