@@ -651,8 +651,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         return got
 
     def _transit_row(self, pid: int, row: int, nbytes: int, rows: int = 1) -> torch.Tensor:
-        """The first ``nbytes`` of transit rows ``[row, row + rows)``, flat (a view made once: on a
-        slow host each view costs about as much as the copy's own launch)."""
+        """The first ``nbytes`` of transit rows ``[row, row + rows)``, flat (a view made once: a
+        streamed part's copy run otherwise made three view ops per copy on the host)."""
         key = (pid, row, nbytes, rows)
         view = self._transit_views.get(key)
         if view is None:
