@@ -142,7 +142,7 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, scratch_dir, shape_of
+    from tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-split-")
@@ -194,7 +194,7 @@ def main() -> int:
         result["arms"][name] = row
         print(name, json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
 
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
+    expert_bytes = expert_bytes_of(model)
     for name in [a for a in arms if a.startswith("all_gpu")]:
         measure(name, model)
     del model

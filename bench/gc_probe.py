@@ -38,7 +38,7 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, scratch_dir, shape_of, sync
+    from tools.measure import build_packed, expert_bytes_of, scratch_dir, shape_of, sync
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-gc-")
@@ -47,7 +47,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
     ids = torch.randint(0, model.config.vocab_size, (1, args.prefill), generator=g).to(device)
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
+    expert_bytes = expert_bytes_of(model)
     del model
     arm = re.fullmatch(r"tiers_(\d+)_(\w+)", args.arm)
     if arm is None:

@@ -41,7 +41,7 @@ def main() -> int:
     args = ap.parse_args()
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir
+    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir, warm_config
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -54,9 +54,7 @@ def main() -> int:
            "device": torch.cuda.get_device_name() if cuda else "cpu", "configs": {}}
     for spec in args.configs.split(","):
         precision, staging, depth = spec.split(":")
-        cfg = {"tiers": {"gpu": {"fraction": args.fraction, "staging_slots": staging if staging == "auto" else int(staging),
-                                 "prefetch_depth": int(depth)},
-                         "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
+        cfg = warm_config(precision, staging, depth, args.fraction)
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
         runs = {k: {"prefill_s": [], "moved_bytes": [], "streamed_parts": []} for k in SETTINGS} | {"all_gpu": {"prefill_s": []}}

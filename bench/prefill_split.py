@@ -214,7 +214,7 @@ def main() -> int:
     import tiers.integration as integration
     from bench.decode_split import Steps
     from tiers.integration import manager_of
-    from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of
+    from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -240,9 +240,7 @@ def main() -> int:
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     for spec in args.configs.split(","):
         precision, staging, depth, fraction = spec.split(":")
-        cfg = {"tiers": {"gpu": {"fraction": float(fraction), "staging_slots": staging if staging == "auto" else int(staging),
-                                 "prefetch_depth": int(depth)},
-                         "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
+        cfg = warm_config(precision, staging, depth, float(fraction))
         m = tiers.load(packed, cfg, device=device, progress=False)
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
         loaded[spec] = (cfg, m, manager_of(m))

@@ -137,7 +137,7 @@ def main() -> int:
     import tiers
     from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token
+    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, expert_bytes_of
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
@@ -198,7 +198,7 @@ def main() -> int:
         summary["arms"][name] = row
         print(name, json.dumps(row), flush=True)
 
-    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() >= 3)
+    expert_bytes = expert_bytes_of(model)
     if "all_gpu" in arms:
         one("all_gpu", model)
     model.save_pretrained(work / "hf")

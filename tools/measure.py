@@ -39,6 +39,19 @@ def scratch_dir(prefix: str) -> Path:
     return work
 
 
+def expert_bytes_of(model) -> int:
+    """Bytes of a model's expert tensors (its 3-D parameters), as loaded."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() >= 3)
+
+
+def warm_config(precision: str, staging: str, depth: str, fraction: float) -> dict:
+    """Tiers with ``fraction`` of the expert bytes on the GPU and every other expert warm in
+    ``precision``: the config the A/B scripts' specs ``precision:staging_slots:prefetch_depth`` name."""
+    return {"tiers": {"gpu": {"fraction": fraction, "staging_slots": staging if staging == "auto" else int(staging),
+                              "prefetch_depth": int(depth)},
+                      "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -29,3 +29,19 @@ def test_a_scratch_dir_is_removed_at_exit(ending, tmp_path):
     work = Path(done.stdout.strip().splitlines()[-1])
     assert work.parent == tmp_path and work.name.startswith("tiers-test-")
     assert not work.exists(), f"{work} left behind"
+
+
+def test_expert_bytes_and_the_ab_config():
+    """``expert_bytes_of`` counts the 3-D parameters only; ``warm_config`` reads a spec's fields."""
+    import torch
+
+    from tiers.config import load_config
+    from tools.measure import expert_bytes_of, warm_config
+
+    model = torch.nn.Module()
+    model.experts = torch.nn.Parameter(torch.zeros(4, 3, 2, dtype=torch.bfloat16))
+    model.norm = torch.nn.Parameter(torch.zeros(5))
+    assert expert_bytes_of(model) == 4 * 3 * 2 * 2
+    cfg = load_config(warm_config("int8", "32", "1", 0.25))
+    assert (cfg.gpu.size.fraction, cfg.gpu.staging_slots, cfg.gpu.prefetch_depth, cfg.cpu.precision) == (0.25, 32, 1, "int8")
+    assert load_config(warm_config("bf16", "auto", "0", 0.5)).gpu.staging_slots == "auto"
