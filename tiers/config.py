@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 import quant
+from tiers.cache import POLICIES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -39,7 +40,7 @@ class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
     staging_slots: int | str = "auto"  # GPU slots for misses, inside the budget; auto: 2 x top-k in at most half the budget
-    cache: str = "forecast"  # which staging slot a miss takes: forecast (layer-aware next use), lru or lfu
+    cache: str = "forecast"  # which staging slot a miss takes: forecast (layer-aware next use), markov (forecast with per-state chances), lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
     prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off
@@ -149,8 +150,8 @@ def parse_config(doc: Any) -> TiersConfig:
     if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
         raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got {slots!r}")
     cache = g.get("cache", d.gpu.cache)
-    if cache not in ("forecast", "lru", "lfu"):
-        raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: ['forecast', 'lfu', 'lru']")
+    if cache not in POLICIES:
+        raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: {sorted(POLICIES)}")
     decay = g.get("lfu_decay", d.gpu.lfu_decay)
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
         raise ValueError(f"tiers.gpu.lfu_decay: expected a number in (0, 1], got {decay!r}")

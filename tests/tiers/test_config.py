@@ -488,6 +488,7 @@ def test_cache_policy_parses():
     cfg = parse_config({"tiers": {"gpu": {"cache": "lfu", "lfu_decay": 0.9}}})
     assert (cfg.gpu.cache, cfg.gpu.lfu_decay) == ("lfu", 0.9)
     assert parse_config(None).gpu.cache == "forecast"
+    assert parse_config({"tiers": {"gpu": {"cache": "markov"}}}).gpu.cache == "markov"
     assert parse_config({"tiers": {"gpu": {"cache": "lru"}}}).gpu.cache == "lru"
 
 

@@ -92,7 +92,7 @@ def test_dequantization_runs_on_its_own_stream_after_the_copy(packed_factory):
     assert len(reused) >= len(readies) - staging
 
 
-@pytest.mark.parametrize("cache", ["lru", "forecast"])
+@pytest.mark.parametrize("cache", ["lru", "forecast", "markov"])
 def test_parts_of_a_layer_call_alternate_between_slot_halves(packed_factory, cache):
     """More misses than staging slots: each part takes at most half the slots, and never the slots
     the part just before it reads, so its copies do not wait for that part's kernels."""
