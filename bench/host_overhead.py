@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     work = scratch_dir("tiers-host-")
     build("qwen3_moe", dict(SHAPE), torch.device("cpu")).save_pretrained(work / "hf")
     pack(work / "hf", work / "packed", precisions=["bf16", "int8"], progress=False)
-    rows = [measure(args.calls, staging, cache, work / "packed") for staging in (4, 16) for cache in ("forecast", "lru")]
+    rows = [measure(args.calls, staging, cache, work / "packed") for staging in (4, 16) for cache in ("forecast", "markov", "lru")]
     result = {"command": "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "shape": SHAPE, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

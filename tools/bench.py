@@ -339,7 +339,7 @@ def run(args) -> dict:
         seq = lookups(TraceModel(**tm_args, **tm, seed=0).sample(256), layers)
         cap = max(1, int(0.25 * len(layers) * n_exp))
         row = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq)}
-        for pol in ("lru", "lfu", "forecast"):
+        for pol in ("lru", "lfu", "forecast", "markov"):
             row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots, layers=layers)) / len(seq)
         replays[label] = row
     result["cache_replay"] = replays
@@ -451,10 +451,13 @@ def markdown(r: dict) -> str:
         ]) + " |")
     if r.get("cache_replay"):
         lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
-                  "| trace | lookups | belady | lru | lfu | forecast | forecast / belady |", "|---|---|---|---|---|---|---|"]
+                  "| trace | lookups | belady | lru | lfu | forecast | markov | forecast / belady | markov / belady |",
+                  "|---|---|---|---|---|---|---|---|---|"]
     for label, row in r.get("cache_replay", {}).items():
+        markov = row.get("markov")  # results from before the markov policy have none
         lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | {row['lru']:.3f} | {row['lfu']:.3f} "
-                     f"| {row['forecast']:.3f} | {row['forecast'] / row['belady']:.3f} |")
+                     f"| {row['forecast']:.3f} | " + ("-" if markov is None else f"{markov:.3f}")
+                     + f" | {row['forecast'] / row['belady']:.3f} | " + ("-" if markov is None else f"{markov / row['belady']:.3f}") + " |")
     if r.get("copy_sweep"):
         lines += ["", "H2D from pinned memory, one stream: back-to-back copies of one size against one copy of the same bytes:", "",
                   "| copy MiB | copies | separate GB/s | one copy GB/s |", "|---|---|---|---|"]
@@ -478,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", default="auto", help="Tiers staging slots: an integer or auto (the YAML default)")
-    ap.add_argument("--cache", choices=["forecast", "lru", "lfu"], default="forecast")
+    ap.add_argument("--cache", choices=["forecast", "markov", "lru", "lfu"], default="forecast")
     ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers @skewed arms: rebalance the tiers every this many tokens (0: off)")
     ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
     ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")
