@@ -76,7 +76,7 @@ def _lossy_misses(mgr, layer: int) -> list[int]:
     return [e for e in range(8) if mgr.table[ExpertKey(layer, e)].home is not Home.GPU]
 
 
-@pytest.mark.parametrize("limit", [1, 2, 6])
+@pytest.mark.parametrize("limit", [2, 6])
 def test_a_batch_dequantizes_once_per_stack_after_all_its_copies(packed_factory, limit):
     mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=6)
     pool = mgr.pools[0]
@@ -99,29 +99,92 @@ def test_a_batch_dequantizes_once_per_stack_after_all_its_copies(packed_factory,
     mgr.release_all(held)
 
 
-def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_factory):
-    """Random layer calls and prefetches over a ring of 3 transit rows with stacks of up to 2: each
-    copy into a row comes after a copy-stream wait on the ready event of the row's last reader."""
+def test_an_expert_too_large_to_stack_goes_up_one_tensor_at_a_time(packed_factory):
+    """Stacks of 1 (experts too large to stack): per miss, one copy per tensor, and each tensor's
+    dequantization waits on an event recorded right after its own copy, queued before the next
+    tensor's copy, so it overlaps that copy; one ready event per expert, the slot's."""
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=6)
+    pool = mgr.pools[0]
+    mgr.stack_limit[id(pool)] = 1
+    layer = next(L for L in mgr.manifest.layers if len(_lossy_misses(mgr, L)) >= 3)
+    misses = _lossy_misses(mgr, layer)[:3]
+    tensors = len(mgr.manifest.blob(ExpertKey(layer, misses[0]), "int8").shapes)
+    assert tensors == 2  # gate_up_proj and down_proj
+    start = len(rec.order)
+    held = mgr.acquire_layer(layer, misses)
+    order = rec.order[start:]
+    landed = {id(o[2]): i for i, o in enumerate(order) if o[0] == "record" and o[1] is mgr.copy_stream}
+    dq_waits = [(i, o[2]) for i, o in enumerate(order) if o[0] == "wait" and o[1] is mgr.dequant_stream]
+    readies = [o[2] for o in order if o[0] == "record" and o[1] is mgr.dequant_stream]
+    copies = [i for i, o in enumerate(order) if o[0] == "use" and o[1] is mgr.copy_stream]
+    assert len(readies) == len(misses) and len(dq_waits) == tensors * len(misses)
+    for i, ev in dq_waits:
+        at = landed[id(ev)]  # recorded on the copy stream right after a copy, before the wait
+        assert at < i
+        before = [c for c in copies if c < at]
+        assert before, "a landed event before any copy"
+        later = [c for c in copies if c > at]
+        if later:  # the next copy is queued after this dequantization: it overlaps it
+            assert i < later[0]
+    assert [h.pool.ready[h.slot] for h in held] == readies
+    mgr.wait_all(held)
+    mgr.release_all(held)
+
+
+def test_large_experts_staged_by_tensor_are_exact(packed_factory, device, monkeypatch):
+    """Every expert counted as too large to stack: each slot equals its blob dequantized alone."""
+    from tiers.engine import TierManager
+
+    monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)
+    mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
+    assert all(mgr.stack_limit[id(p)] == 1 for p in mgr.pools)
+    spans = []
+    inner = mgr._stage_by_tensor
+    mgr._stage_by_tensor = lambda *a: spans.append(a[3]) or inner(*a)
+    rng = random.Random(0)
+    layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
+    checked = 0
+    for _ in range(20):
+        layer = rng.choice(layers)
+        held = mgr.acquire_layer(layer, sorted(rng.sample(range(8), rng.randint(2, 6))))
+        assert held is not None
+        mgr.wait_all(held)
+        for h in held:
+            if mgr.table[h.key].pinned:
+                continue
+            want = expected(mgr, h.key)
+            for name, t in h.tensors.items():
+                assert torch.equal(t, want[name]), f"{h.key} {name}: the slot differs from its blob dequantized alone"
+            checked += 1
+        mgr.release_all(held)
+    assert checked > 20 and spans, "the by-tensor path must run"
+
+
+@pytest.mark.parametrize("limit", [2, 1])
+def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_factory, limit):
+    """Random layer calls and prefetches over a ring of 3 transit rows with stacks of up to 2 (or of
+    1: experts staged tensor by tensor): each copy into a row comes after a copy-stream wait on the
+    ready event of the row's last reader."""
     mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=3)
     pid = id(mgr.pools[0])
-    mgr.stack_limit[pid] = 2
-    writes: list[tuple[int, int]] = []  # (transit row, order index after the copy was queued)
+    mgr.stack_limit[pid] = limit
+    writes: list[tuple[int, int, int]] = []  # (transit row, order index before the staging, after its copies were queued)
     readers: dict[int, list] = {}  # row -> ready events of the dequantizations that read it, in order
-    stage, dequantize = mgr._stage, mgr._dequantize
+    stage, dequantized = mgr._stage, mgr._dequantized
 
     def spy_stage(key, pool, slot, precision, source, src, **kw):
-        row = mgr.next_row[pid]
+        row, begin = mgr.next_row[pid], len(rec.order)
         out = stage(key, pool, slot, precision, source, src, **kw)
         if not mgr.manifest.blob(key, precision).precision == "bf16":
-            writes.append((row, len(rec.order)))
+            writes.append((row, begin, len(rec.order)))
         return out
 
-    def spy_dequantize(b, g):
-        dequantize(b, g)
-        for r in range(g.row, g.row + len(g.slots)):
-            readers.setdefault(r, []).append((b.last, len(rec.order)))
+    def spy_dequantized(b, pool, slots, row, ready):
+        dequantized(b, pool, slots, row, ready)
+        for r in range(row, row + len(slots)):
+            readers.setdefault(r, []).append((ready, len(rec.order)))
 
-    mgr._stage, mgr._dequantize = spy_stage, spy_dequantize
+    mgr._stage, mgr._dequantized = spy_stage, spy_dequantized
     rng = random.Random(1)
     layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
     for _ in range(60):
@@ -138,8 +201,8 @@ def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_fa
     order = rec.order
     where = {id(o[2]): i for i, o in enumerate(order) if o[0] == "record"}
     rewrites = 0
-    for row, at in writes:
-        earlier = [ev for ev, t in readers.get(row, []) if t < at]
+    for row, begin, at in writes:
+        earlier = [ev for ev, t in readers.get(row, []) if t <= begin]
         if not earlier:
             continue
         ev = earlier[-1]
