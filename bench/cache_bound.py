@@ -117,7 +117,8 @@ class TransitionSlots(ForecastSlots):
         self.prev[layer] = cur
         super().visit(layer, keys)
 
-    def chance(self, layer: int, x: int) -> float:
+    def chance(self, key) -> float:
+        layer, x = key
         used = x in self.prev.get(layer, ())
         a, b = self.table
         if a is not None:
@@ -135,7 +136,7 @@ class TransitionSlots(ForecastSlots):
             key = self._owner[s]
             if key in self.in_call:
                 return float("-inf")
-            p = self.chance(key.layer, key.expert)
+            p = self.chance(key)
             return -p / (((self.position[key.layer] - here) % n) or n) if self.over_d else -p
 
         return max((s for s in self._order if readers[s] == 0), key=score, default=None)

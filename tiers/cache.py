@@ -144,6 +144,10 @@ class ForecastSlots(LruSlots):
         f, s = self._averages(key)
         self._avg[key] = (f + self.fast * (1.0 - f), s + self.slow * (1.0 - s), self.calls.get(key.layer, 0))
 
+    def chance(self, key: ExpertKey) -> float:
+        """``key``'s chance of use at one call of its layer: the larger moving average."""
+        return max(*self._averages(key))
+
     def wait(self, key: ExpertKey) -> float:
         """Expected layer calls until ``key`` is next used (-1: the current call uses it)."""
         if key in self.in_call:
@@ -151,8 +155,7 @@ class ForecastSlots(LruSlots):
         n = max(len(self.position), 1)
         here, there = self.position.get(self.current), self.position.get(key.layer)
         d = n if here is None or there is None else ((there - here) % n or n)
-        p = max(*self._averages(key), 1e-6)
-        return d + n * (1.0 / p - 1.0)
+        return d + n * (1.0 / max(self.chance(key), 1e-6) - 1.0)
 
     def _choose(self, readers: Sequence[int]) -> int | None:
         # ``wait`` for each slot nobody holds, inlined: this runs on every miss, over every slot.
@@ -241,17 +244,9 @@ class MarkovSlots(ForecastSlots):
             return (self._ha.get(layer, {}).get(x, 0) + self.prior * prior) / (na + self.prior)
         return (self._hb.get(layer, {}).get(x, 0) + self.prior * popularity) / (self.steps.get(layer, 0) - na + self.prior)
 
-    def wait(self, key: ExpertKey) -> float:
-        if key in self.in_call:
-            return -1.0
-        n = max(len(self.position), 1)
-        here, there = self.position.get(self.current), self.position.get(key.layer)
-        d = n if here is None or there is None else ((there - here) % n or n)
-        return d + n * (1.0 / max(self.chance(key), 1e-6) - 1.0)
-
     def _choose(self, readers: Sequence[int]) -> int | None:
-        # a slot's wait is kept within the call, as the forecast's: counts change only at a visit,
-        # and a key looked up during the call joins ``in_call``
+        # ``wait`` (through this class's ``chance``) for each slot nobody holds, kept within the call
+        # as the forecast's: counts change only at a visit, and a key looked up joins ``in_call``
         waits, owner, in_call = self._waits, self._owner, self.in_call
         best, best_wait = None, None
         for s in self._order:  # in LRU order: the first of equal waits wins

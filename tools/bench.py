@@ -46,6 +46,7 @@ H2D_BYTES_PER_S = 55e9  # measured pinned host-to-device ceiling on the H200 tes
 
 TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25, "bf16")]
 
+from tiers.cache import POLICIES  # noqa: E402
 from tools.measure import (  # noqa: E402
     SHAPES, TINY, build, copy_sweep, decode_ms_per_token, expert_modules, lazy_experts_forward, prefill_seconds, sync,
 )
@@ -339,7 +340,7 @@ def run(args) -> dict:
         seq = lookups(TraceModel(**tm_args, **tm, seed=0).sample(256), layers)
         cap = max(1, int(0.25 * len(layers) * n_exp))
         row = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq)}
-        for pol in ("lru", "lfu", "forecast", "markov"):
+        for pol in POLICIES:
             row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots, layers=layers)) / len(seq)
         replays[label] = row
     result["cache_replay"] = replays
@@ -481,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", default="auto", help="Tiers staging slots: an integer or auto (the YAML default)")
-    ap.add_argument("--cache", choices=["forecast", "markov", "lru", "lfu"], default="forecast")
+    ap.add_argument("--cache", choices=POLICIES, default="forecast")
     ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers @skewed arms: rebalance the tiers every this many tokens (0: off)")
     ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
     ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")

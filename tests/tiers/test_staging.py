@@ -46,17 +46,15 @@ def paths_taken(mgr) -> dict[str, int]:
     return taken
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
-def test_stacked_dequantization_is_exact_on_both_paths(packed_factory, device, model):
-    mgr = manager_of(tiers.load(packed_factory(model), INT8, device=device, progress=False))
-    taken = paths_taken(mgr)
+def staged_exactly(mgr, calls: int) -> int:
+    """Random layer calls of 2 to 6 experts: every staged slot must equal its blob dequantized
+    alone (``torch.equal``). Returns how many staged slots were checked."""
     rng = random.Random(0)
     layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
     checked = 0
-    for _ in range(40):
+    for _ in range(calls):
         layer = rng.choice(layers)
-        experts = sorted(rng.sample(range(8), rng.randint(2, 6)))
-        held = mgr.acquire_layer(layer, experts)
+        held = mgr.acquire_layer(layer, sorted(rng.sample(range(8), rng.randint(2, 6))))
         assert held is not None
         mgr.wait_all(held)
         for h in held:
@@ -67,7 +65,14 @@ def test_stacked_dequantization_is_exact_on_both_paths(packed_factory, device, m
                 assert torch.equal(t, want[name]), f"{h.key} {name}: the slot differs from its blob dequantized alone"
             checked += 1
         mgr.release_all(held)
-    assert checked > 40
+    return checked
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen3_moe"])
+def test_stacked_dequantization_is_exact_on_both_paths(packed_factory, device, model):
+    mgr = manager_of(tiers.load(packed_factory(model), INT8, device=device, progress=False))
+    taken = paths_taken(mgr)
+    assert staged_exactly(mgr, 40) > 40
     assert taken["row"] and taken["scatter"], f"both stacked paths must run: {taken}"
     assert all(r == 0 for p in mgr.pools for r in p.readers)
 
@@ -141,23 +146,8 @@ def test_large_experts_staged_by_tensor_are_exact(packed_factory, device, monkey
     spans = []
     inner = mgr._stage_by_tensor
     mgr._stage_by_tensor = lambda *a: spans.append(a[3]) or inner(*a)
-    rng = random.Random(0)
-    layers = [L for L in mgr.manifest.layers if L not in mgr.static_maps]
-    checked = 0
-    for _ in range(20):
-        layer = rng.choice(layers)
-        held = mgr.acquire_layer(layer, sorted(rng.sample(range(8), rng.randint(2, 6))))
-        assert held is not None
-        mgr.wait_all(held)
-        for h in held:
-            if mgr.table[h.key].pinned:
-                continue
-            want = expected(mgr, h.key)
-            for name, t in h.tensors.items():
-                assert torch.equal(t, want[name]), f"{h.key} {name}: the slot differs from its blob dequantized alone"
-            checked += 1
-        mgr.release_all(held)
-    assert checked > 20 and spans, "the by-tensor path must run"
+    assert staged_exactly(mgr, 20) > 20
+    assert spans, "the by-tensor path must run"
 
 
 @pytest.mark.parametrize("limit", [2, 1])
