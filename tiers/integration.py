@@ -20,6 +20,7 @@ patched):
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,6 +277,26 @@ def _windows(slot_rows: list[tuple[int, int]]) -> list[dict]:
     return windows
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_direct(device: torch.device) -> bool:
+    """Whether transformers' grouped linear would run ``torch._grouped_mm`` itself on ``device``
+    (CUDA, SM 80 or newer, a torch with ``nn.functional.grouped_mm``, which is that op): then
+    the windows call it directly. transformers checks this before every GEMM, with a device
+    capability query among other Python steps, on a host that bounds a long prefill."""
+    return device.type == "cuda" and hasattr(torch.nn.functional, "grouped_mm") and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _window_linear(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``_grouped_linear(input, weight, offs, bias, is_transposed=True)``, the same kernel and
+    arithmetic, without its per-call checks where ``_kernel_direct`` holds."""
+    if not _kernel_direct(weight.device):
+        return _grouped_linear(input, weight, offs, bias=bias, is_transposed=True)
+    out = torch._grouped_mm(input if input.dtype == weight.dtype else input.to(weight.dtype), weight, offs=offs)
+    if bias is not None:
+        out.add_(bias)  # as transformers adds it
+    return out
+
+
 def _run_windows(proxy: _SlotExperts, xs: torch.Tensor, windows: list[dict], offsets: torch.Tensor,
                  slot_ids: torch.Tensor | None) -> torch.Tensor:
     """The experts' MLP on ``xs`` (rows sorted by slot, ``[n, H]``), one pair of grouped GEMMs per
@@ -288,10 +309,10 @@ def _run_windows(proxy: _SlotExperts, xs: torch.Tensor, windows: list[dict], off
         offs = offsets[at : at + hi - lo]
         at += hi - lo
         bias = getattr(proxy, up + "_bias")[slot_ids[a:b]] if proxy.has_bias else None
-        h = _grouped_linear(xs[a:b], proxy.window(up, lo, hi), offs, bias=bias, is_transposed=True)  # [m, 2I] or [m, I]
+        h = _window_linear(xs[a:b], proxy.window(up, lo, hi), offs, bias)  # [m, 2I] or [m, I]
         h = proxy._apply_gate(h) if proxy.has_gate else proxy.act_fn(h)  # [m, I]
         bias = proxy.down_proj_bias[slot_ids[a:b]] if proxy.has_bias else None
-        outs.append(_grouped_linear(h, proxy.window("down_proj", lo, hi), offs, bias=bias, is_transposed=True))  # [m, H]
+        outs.append(_window_linear(h, proxy.window("down_proj", lo, hi), offs, bias))  # [m, H]
     y = outs[0] if len(outs) == 1 else torch.cat(outs)
     return proxy.post_expert_norm(y) if proxy.has_post_expert_norm else y
 

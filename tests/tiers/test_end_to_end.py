@@ -417,3 +417,23 @@ def test_window_views_are_the_slab_rows_grouped_mm_takes_made_once(transposed, m
         proxy.window("down_proj", lo, lo + 2)
     assert len(proxy._windows) <= 3 and proxy.window("down_proj", 1, 4) is not w  # cleared, made again
     assert torch.equal(proxy.window("down_proj", 1, 4), want)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_window_linear_is_transformers_grouped_linear(bias, device):
+    """``_window_linear`` skips transformers' per-GEMM checks only where they would pick
+    ``torch._grouped_mm`` anyway (CUDA, SM 80+): the same result bit for bit, with or without a
+    bias; on the CPU it is transformers' own call."""
+    from tiers.integration import _grouped_linear, _kernel_direct, _window_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 32, generator=g).bfloat16().to(device)
+    w = torch.randn(5, 32, 48, generator=g).bfloat16().to(device)
+    offs = torch.tensor([3, 3, 17, 30, 40], dtype=torch.int32, device=device)
+    b = torch.randn(40, 48, generator=g).bfloat16().to(device) if bias else None
+    assert _kernel_direct(torch.device("cpu")) is False
+    if device.type == "cuda":
+        assert _kernel_direct(x.device) == (hasattr(torch.nn.functional, "grouped_mm") and torch.cuda.get_device_capability() >= (8, 0))
+    want = _grouped_linear(x, w, offs, bias=None if b is None else b.clone(), is_transposed=True)
+    got = _window_linear(x, w, offs, None if b is None else b.clone())
+    assert torch.equal(got, want)
