@@ -9,6 +9,7 @@ a recorded routing trace is deterministic. Invariant: ``victim`` only returns a 
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
@@ -201,11 +202,16 @@ class MarkovSlots(ForecastSlots):
     Qwen3-30B-A3B's.
     """
 
-    def __init__(self, slots: Iterable[int], layers: Sequence[int], *, prior: float = 8.0, **rates: float):
+    SIGNIFICANCE = 4.0  # standard errors by which a layer's two states must differ for the chain to be used
+
+    def __init__(self, slots: Iterable[int], layers: Sequence[int], *, prior: float = 8.0, experts: int | None = None, **rates: float):
         super().__init__(slots, layers, **rates)
         if not prior > 0:
             raise ValueError(f"MarkovSlots: prior must be > 0, got {prior!r}")
         self.prior = prior
+        self.experts = experts  # per layer; None: the chain is always used
+        self.fresh: dict[int, tuple[int, int]] = {}  # layer -> (experts used after a call that did not use them, chances to)
+        self.chained: dict[int, bool] = {}  # layer -> whether its two states differ (set at each of its calls)
         self.last: dict[int, frozenset[int]] = {}  # layer -> experts its last call used
         self.steps: dict[int, int] = {}  # layer -> calls after its first (transitions counted)
         self.kept: dict[int, tuple[int, int]] = {}  # layer -> (experts kept from one call to the next, chances to)
@@ -229,12 +235,31 @@ class MarkovSlots(ForecastSlots):
                 hb[x] = hb.get(x, 0) + 1
             kept, chances = self.kept.get(layer, (0, 0))
             self.kept[layer] = (kept + len(again), chances + len(prev))
+            if self.experts is not None:
+                used, fresh_chances = self.fresh.get(layer, (0, 0))
+                self.fresh[layer] = (used + len(cur - prev), fresh_chances + self.experts - len(prev))
+                self.chained[layer] = self._states_differ(layer)
         self.last[layer] = cur
         super().visit(layer, keys)
 
+    def _states_differ(self, layer: int) -> bool:
+        """Whether the layer's pooled reuse rate and fresh-use rate differ by ``SIGNIFICANCE``
+        standard errors (two binomial proportions). Under uniform routing they do not, and then the
+        per-state chances are noise the forecast's averages do not have."""
+        kept, chances = self.kept.get(layer, (0, 0))
+        used, fresh_chances = self.fresh.get(layer, (0, 0))
+        if chances == 0 or fresh_chances == 0:
+            return False
+        pooled = (kept + used) / (chances + fresh_chances)
+        se = math.sqrt(max(pooled * (1.0 - pooled), 1e-12) * (1.0 / chances + 1.0 / fresh_chances))
+        return abs(kept / chances - used / fresh_chances) > self.SIGNIFICANCE * se
+
     def chance(self, key: ExpertKey) -> float:
-        """``key``'s chance of use at its layer's next call, given whether its last call used it."""
+        """``key``'s chance of use at its layer's next call, given whether its last call used it
+        (the forecast's, while the layer's two states do not differ)."""
         layer, x = key
+        if self.experts is not None and not self.chained.get(layer, False):
+            return super().chance(key)
         popularity = self._averages(key)[1]
         na = self._na.get(layer, {}).get(x, 0)
         if x in self.last.get(layer, ()):
@@ -264,7 +289,7 @@ class MarkovSlots(ForecastSlots):
         return best
 
 
-def make_cache(policy: str, slots: Iterable[int], *, decay: float = 0.99, layers: Sequence[int] = ()) -> LruSlots:
+def make_cache(policy: str, slots: Iterable[int], *, decay: float = 0.99, layers: Sequence[int] = (), experts: int | None = None) -> LruSlots:
     if policy == "lru":
         return LruSlots(slots)
     if policy == "lfu":
@@ -272,7 +297,7 @@ def make_cache(policy: str, slots: Iterable[int], *, decay: float = 0.99, layers
     if policy == "forecast":
         return ForecastSlots(slots, layers)
     if policy == "markov":
-        return MarkovSlots(slots, layers)
+        return MarkovSlots(slots, layers, experts=experts)
     raise ValueError(f"tiers.gpu.cache: unknown policy {policy!r}; allowed: {list(POLICIES)}")
 
 

@@ -40,7 +40,7 @@ class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
     staging_slots: int | str = "auto"  # GPU slots for misses, inside the budget; auto: 2 x top-k in at most half the budget
-    cache: str = "forecast"  # which staging slot a miss takes: forecast (layer-aware next use), markov (forecast with per-state chances), lru or lfu
+    cache: str = "markov"  # which staging slot a miss takes: markov (layer-aware next use, per-state chances), forecast, lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
     prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off

@@ -225,7 +225,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             layout = manifest.layers[g.layers[0]].layout
             pool = SlotPool(layout, g.n_slots, device=device, dtype=self.dtype, event_factory=self.streams.event)
             self.pools.append(pool)
-            self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay, layers=g.layers)
+            self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay, layers=g.layers,
+                                              experts=layout.num_experts)
             self.hot_count[id(pool)] = g.hot
             self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
             self.next_row[id(pool)] = 0

@@ -226,7 +226,7 @@ def test_forecast_beats_lru_and_lfu_on_the_skewed_trace(shape):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 5), st.integers(0, 4)), min_size=1, max_size=120),
-       st.integers(1, 4), st.sampled_from([ForecastSlots, MarkovSlots]))
+       st.integers(1, 4), st.sampled_from([ForecastSlots, MarkovSlots, lambda slots, layers: MarkovSlots(slots, layers, experts=6)]))
 def test_forecast_victim_is_the_largest_wait(raw, capacity, policy):
     """The inlined victim choice (with waits kept within a call) equals max(free, key=wait),
     ties to the least recently used; for the forecast and for the markov policy. An entry with
@@ -307,11 +307,11 @@ def test_markov_beats_the_forecast_where_experts_are_many_and_ties_it_where_few(
     quotes come from the same code)."""
     seq = lookups(TraceModel(6, 64, 8, zipf_s=1.2, reuse_p=0.5, seed=0).sample(150), list(range(6)))
     cap = 6 * 64 // 4
-    got = {p: replay(seq, cap, set(), lambda s, p=p: make_cache(p, s, layers=list(range(6)))) for p in ("forecast", "markov")}
+    got = {p: replay(seq, cap, set(), lambda s, p=p: make_cache(p, s, layers=list(range(6)), experts=64)) for p in ("forecast", "markov")}
     assert got["markov"] > got["forecast"]
     assert got["markov"] >= 0.92 * belady_hits(seq, cap, set())
     seq = lookups(TraceModel(8, 8, 2, zipf_s=1.2, reuse_p=0.5, seed=0).sample(400), list(range(8)))
-    got = {p: replay(seq, 16, set(), lambda s, p=p: make_cache(p, s, layers=list(range(8)))) for p in ("forecast", "markov")}
+    got = {p: replay(seq, 16, set(), lambda s, p=p: make_cache(p, s, layers=list(range(8)), experts=8)) for p in ("forecast", "markov")}
     assert got["markov"] >= 0.99 * got["forecast"]
 
 
@@ -338,3 +338,47 @@ def test_markov_protects_an_expert_looked_up_after_a_choice_in_the_same_call():
     c.access(B)  # a hit
     c.access(C)
     assert c.victim([0, 0, 0]) == 2  # Y: A and B are this call's
+
+
+def test_markov_uses_the_chain_only_where_a_layers_two_states_differ():
+    """With ``experts`` known, a layer whose reuse rate and fresh-use rate do not differ by
+    ``SIGNIFICANCE`` standard errors (uniform routing) gets the forecast's chances; a sticky one
+    (each call keeps the last call's experts) gets the chain's."""
+    rng = torch.Generator().manual_seed(0)
+    c = MarkovSlots(range(4), layers=[0, 1], experts=16)
+    for _ in range(60):
+        for layer in (0, 1):
+            if layer == 0:  # uniform: 2 of 16 at random
+                used = torch.randperm(16, generator=rng)[:2].tolist()
+            else:  # sticky: always experts 3 and 4
+                used = [3, 4]
+            keys = [ExpertKey(layer, e) for e in used]
+            c.visit(layer, keys)
+            for k in keys:
+                c.access(k)
+    assert c.chained[0] is False and c.chained[1] is True
+    assert c.fresh[1] == (0, 59 * (16 - 2)) and c.kept[1] == (59 * 2, 59 * 2)  # nothing fresh, all kept
+    uniform = ExpertKey(0, next(iter(c.last[0])))
+    assert c.chance(uniform) == ForecastSlots.chance(c, uniform)
+    sticky = ExpertKey(1, 3)
+    na, ha = c._na[1][3], c._ha[1][3]
+    kept, chances = c.kept[1]
+    reuse = (kept + 1) / (chances + 2)
+    prior = reuse + (1 - reuse) * c._averages(sticky)[1]
+    assert c.chance(sticky) == pytest.approx((ha + 8.0 * prior) / (na + 8.0))
+    ungated = MarkovSlots(range(4), layers=[0, 1])  # experts unknown: always the chain
+    ungated.visit(0, [uniform])
+    ungated.visit(0, [uniform])
+    reuse = (1 + 1) / (1 + 2)  # kept 1 of 1; no lookups, so no popularity
+    assert not ungated.chained and ungated.chance(uniform) == pytest.approx((1 + 8.0 * reuse) / (1 + 8.0))
+
+
+def test_markov_with_experts_equals_the_forecast_on_uniform_routing():
+    """The replay numbers the README quotes: on uniform routing with Mixtral's counts the gated
+    chain keeps exactly the forecast's hits, where the ungated one loses some."""
+    seq = lookups(TraceModel(8, 8, 2, seed=0).sample(256), list(range(8)))
+    hits = {name: replay(seq, 16, set(), make) for name, make in {
+        "forecast": lambda s: make_cache("forecast", s, layers=list(range(8))),
+        "gated": lambda s: make_cache("markov", s, layers=list(range(8)), experts=8),
+        "ungated": lambda s: make_cache("markov", s, layers=list(range(8)))}.items()}
+    assert hits["gated"] == hits["forecast"] > hits["ungated"]

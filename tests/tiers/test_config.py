@@ -487,8 +487,8 @@ def test_bad_lfu_decay_names_key(bad):
 def test_cache_policy_parses():
     cfg = parse_config({"tiers": {"gpu": {"cache": "lfu", "lfu_decay": 0.9}}})
     assert (cfg.gpu.cache, cfg.gpu.lfu_decay) == ("lfu", 0.9)
-    assert parse_config(None).gpu.cache == "forecast"
-    assert parse_config({"tiers": {"gpu": {"cache": "markov"}}}).gpu.cache == "markov"
+    assert parse_config(None).gpu.cache == "markov"
+    assert parse_config({"tiers": {"gpu": {"cache": "forecast"}}}).gpu.cache == "forecast"
     assert parse_config({"tiers": {"gpu": {"cache": "lru"}}}).gpu.cache == "lru"
 
 
