@@ -4,7 +4,8 @@
 
 The bench replays the cache policies against Belady's MIN on synthetic traces (capacity 25% of
 the experts, no pinned set). This asks what the remaining gap is made of, on the same traces
-(Mixtral's and Qwen3-30B-A3B's expert counts, per-layer Zipf s = 1.2, reuse 0.5):
+(Mixtral's and Qwen3-30B-A3B's expert counts, per-layer Zipf s = 1.2, reuse 0.5, unless ``--zipf`` and
+``--reuse`` say otherwise):
 
 - ``oracle``: evicts the slot whose expert is next used farthest away, knowing the trace, but
   like the engine never evicts an expert the current layer call uses. Its distance to Belady is
@@ -40,7 +41,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from tiers.cache import ForecastSlots, MarkovSlots, belady_hits, replay  # noqa: E402
+from tiers.cache import ForecastSlots, LruSlots, MarkovSlots, belady_hits, replay  # noqa: E402
 from tiers.trace import TraceModel, lookups  # noqa: E402
 
 COUNTS = {"mixtral": (8, 8, 2), "qwen3_moe": (12, 128, 8)}  # layers, experts, top-k
@@ -212,24 +213,31 @@ def next_uses(seq: list) -> list[int]:
     return out
 
 
-def measure(model: str, tokens: int = 256, seed: int = 0, draws: int = 4000, only: list[str] | None = None, bound: bool = True) -> dict:
+def measure(model: str, tokens: int = 256, seed: int = 0, draws: int = 4000, only: list[str] | None = None, bound: bool = True,
+            zipf: float = 1.2, reuse: float = 0.5) -> dict:
     """One model's counts: Belady, each policy (``only``: these alone) over Belady, and the online bound."""
     layers_n, experts, k = COUNTS[model]
     layers = list(range(layers_n))
-    trace_model = TraceModel(layers_n, experts, k, zipf_s=1.2, reuse_p=0.5, seed=seed)
+    trace_model = TraceModel(layers_n, experts, k, zipf_s=zipf, reuse_p=reuse, seed=seed)
     trace = trace_model.sample(tokens)
     seq = lookups(trace, layers)
-    a, b = transition_tables(trace_model, 16384)
+    tables: list = []  # the true chances, sampled only if a rule given them is replayed
+
+    def true_chances() -> tuple[list, list]:
+        if not tables:
+            tables.extend(transition_tables(trace_model, 16384))
+        return tables[0], tables[1]
     cap = max(1, int(0.25 * layers_n * experts))
     belady = belady_hits(seq, cap, set())
     policies = {
         "oracle": lambda s: OracleSlots(s, layers, next_uses(seq)),
+        "lru": LruSlots,
         "forecast": lambda s: ForecastSlots(s, layers),
-        "markov": lambda s: MarkovSlots(s, layers),
+        "markov": lambda s: MarkovSlots(s, layers, experts=experts),
         "min_p": lambda s: RuleSlots(s, layers, "min_p"),
         "p_over_d": lambda s: RuleSlots(s, layers, "p_over_d"),
-        "true_p": lambda s: TransitionSlots(s, layers, experts, a, b),
-        "true_p_over_d": lambda s: TransitionSlots(s, layers, experts, a, b, over_d=True),
+        "true_p": lambda s: TransitionSlots(s, layers, experts, *true_chances()),
+        "true_p_over_d": lambda s: TransitionSlots(s, layers, experts, *true_chances(), over_d=True),
         "learned_p": lambda s: TransitionSlots(s, layers, experts),
     }
     for fast, slow in ((0.5, 0.02), (0.7, 0.02), (0.9, 0.01), (0.9, 0.05)):
@@ -254,12 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(COUNTS), help="comma-separated: which models' counts")
     ap.add_argument("--no-bound", action="store_true", help="skip the online bound (its Monte Carlo dominates long traces)")
     ap.add_argument("--policies", default=None, help="comma-separated: replay only these policies (default: all)")
+    ap.add_argument("--zipf", type=float, default=1.2, help="the trace's per-layer Zipf exponent (0: uniform)")
+    ap.add_argument("--reuse", type=float, default=0.5, help="the trace's chance a token keeps an expert of the last one")
     ap.add_argument("--out", default="bench/results/cache_bound.json")
     args = ap.parse_args(argv)
     result = {"command": "python bench/cache_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "trace": {"zipf_s": 1.2, "reuse_p": 0.5, "seed": args.seed, "tokens": args.tokens},
+              "trace": {"zipf_s": args.zipf, "reuse_p": args.reuse, "seed": args.seed, "tokens": args.tokens},
               "models": {m: measure(m, args.tokens, seed=args.seed, draws=args.draws, only=args.policies and args.policies.split(","),
-                                    bound=not args.no_bound) for m in args.models.split(",")}}
+                                    bound=not args.no_bound, zipf=args.zipf, reuse=args.reuse) for m in args.models.split(",")}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for m, row in result["models"].items():

@@ -47,6 +47,7 @@ H2D_BYTES_PER_S = 55e9  # measured pinned host-to-device ceiling on the H200 tes
 TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25, "bf16")]
 
 from tiers.cache import POLICIES  # noqa: E402
+from tiers.config import TiersConfig  # noqa: E402
 from tools.measure import (  # noqa: E402
     SHAPES, TINY, build, copy_sweep, decode_ms_per_token, expert_modules, lazy_experts_forward, prefill_seconds, sync,
 )
@@ -249,7 +250,8 @@ def run(args) -> dict:
         hot = set(mgr.placement.hot)
         capacity = s.gpu_slots["staging"]
         layers_ = sorted(mgr.manifest.layers)
-        policy = lambda slots: make_cache(args.cache, slots, layers=layers_)  # noqa: E731
+        n_experts = mgr.manifest.layers[layers_[0]].layout.num_experts
+        policy = lambda slots: make_cache(args.cache, slots, layers=layers_, experts=n_experts)  # noqa: E731
         replay_hits = replay(trace, capacity, hot, policy)
         opt_hits = belady_hits(trace, capacity, hot)
         # the whole GPU tier (hot set, rebalancer and cache) against MIN over as many slots, on the
@@ -341,7 +343,7 @@ def run(args) -> dict:
         cap = max(1, int(0.25 * len(layers) * n_exp))
         row = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq)}
         for pol in POLICIES:
-            row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots, layers=layers)) / len(seq)
+            row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots, layers=layers, experts=n_exp)) / len(seq)
         replays[label] = row
     result["cache_replay"] = replays
     if device.type == "cuda" and args.copy_sweep:
@@ -482,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", default="auto", help="Tiers staging slots: an integer or auto (the YAML default)")
-    ap.add_argument("--cache", choices=POLICIES, default="forecast")
+    ap.add_argument("--cache", choices=POLICIES, default=TiersConfig().gpu.cache, help="the staging-slot policy of every Tiers arm (default: the YAML default)")
     ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers @skewed arms: rebalance the tiers every this many tokens (0: off)")
     ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
     ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")
