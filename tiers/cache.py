@@ -197,9 +197,13 @@ class MarkovSlots(ForecastSlots):
     and how many used it (``hb``). Early on an expert has few samples, so each chance is pulled
     towards a prior worth ``prior`` calls: for the unused state the forecast's slow moving average
     (its long-run popularity), for the used state the layer's pooled reuse rate ``r`` plus
-    ``(1 - r)`` times that popularity (kept, or picked afresh). On the synthetic skewed traces
-    (``bench/cache_bound.py``) this ties the forecast with Mixtral's counts and beats it with
-    Qwen3-30B-A3B's.
+    ``(1 - r)`` times that popularity (kept, or picked afresh).
+
+    With ``experts`` (per layer) known, a layer uses the chain only while its two states differ
+    (``_states_differ``), and the forecast's chance otherwise: under uniform routing the
+    per-expert counts are noise against a small spread of true chances. On the synthetic traces
+    (``bench/cache_bound.py``, ``bench/results/cache_policies/``) this keeps as many hits as the
+    forecast or more, except with Mixtral's counts under mild skew and mild reuse.
     """
 
     SIGNIFICANCE = 4.0  # standard errors by which a layer's two states must differ for the chain to be used
