@@ -382,3 +382,26 @@ def test_markov_with_experts_equals_the_forecast_on_uniform_routing():
         "gated": lambda s: make_cache("markov", s, layers=list(range(8)), experts=8),
         "ungated": lambda s: make_cache("markov", s, layers=list(range(8)))}.items()}
     assert hits["gated"] == hits["forecast"] > hits["ungated"]
+
+
+def test_markov_kept_waits_match_fresh_ones_after_a_read_ahead_in_the_call():
+    """A slot rewritten mid-call by a read-ahead (not a key of the call) gets a fresh wait, while
+    the others keep theirs: the choice must be the one fresh waits would give."""
+    A, B, C, R, X, Y = (ExpertKey(1, 0), ExpertKey(1, 1), ExpertKey(1, 3), ExpertKey(1, 2),
+                        ExpertKey(0, 5), ExpertKey(0, 6))
+
+    class Fixed(MarkovSlots):
+        def chance(self, key):
+            return {A: 0.1, B: 0.5, C: 0.08, R: 0.12}.get(key, 0.9)
+
+    c = Fixed(range(3), layers=[0, 1])
+    c.visit(1, [A, B, C])
+    for slot, key in enumerate((A, B, C)):
+        c.assign(slot, key)
+    c.visit(0, [X, Y])
+    c.access(X)
+    assert c.victim([0, 0, 0]) == 2  # C waits 1 + 2 * 11.5 = 24, A 19, B 3; all three are kept now
+    c.assign(2, R)  # a read-ahead of layer 1 takes C's slot: R waits 1 + 2 * (1/0.12 - 1), about 15.7
+    c.access(Y)
+    fresh = max((0, 1, 2), key=lambda s: c.wait(c._owner[s]))
+    assert c.victim([0, 0, 0]) == fresh == 0  # A's kept 19 still beats R's fresh 15.7
