@@ -8,6 +8,7 @@ with exactly one copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -51,6 +52,16 @@ class BlobLayout:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     fields: tuple[PlacedField, ...]
     nbytes: int
+
+    @cached_property
+    def tensor_spans(self) -> tuple[tuple[str, int, int], ...]:
+        """Each tensor's bytes in the blob, ``(name, lo, hi)`` in blob order: a tensor's fields are
+        placed together, so one copy of ``[lo, hi)`` moves all of them."""
+        spans = []
+        for name, _ in self.shapes:
+            placed = [f for f in self.fields if f.tensor == name]
+            spans.append((name, min(f.offset for f in placed), max(f.offset + f.spec.nbytes for f in placed)))
+        return tuple(sorted(spans, key=lambda s: s[1]))
 
     @property
     def stride(self) -> int:

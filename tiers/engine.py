@@ -191,7 +191,6 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._transit_views: dict[tuple[int, int, int, int], torch.Tensor] = {}  # (pool id, row, bytes, rows) -> those rows' first bytes
         self._view_cache: dict[tuple, dict] = {}  # (blob layout, address, device, shape) -> prepared field views
         self._stack_view_cache: dict[tuple, tuple[dict, dict]] = {}  # (pool id, blob layout, row, first slot, k) -> a stack's views
-        self._spans: dict[int, list[tuple[str, int, int]]] = {}  # blob layout -> its tensors' byte spans
         self.stats_ = StatsCollector()
         # generate's decode stage (see integration.load): True while it runs, when this device
         # follows transformers' switch from grouped_mm to batched_mm for decode (not on the CPU)
@@ -594,7 +593,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._mark_start(b)
             self._check_pinned(src)
             self._after_row(b, pid, row)
-        for name, lo, hi in self._tensor_spans(blob):
+        for name, lo, hi in blob.tensor_spans:
             with self.streams.use(self.copy_stream):
                 buf[lo:hi].copy_(src[lo:hi], non_blocking=True)
             landed = self.streams.event()
@@ -606,17 +605,6 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             ready = self.streams.event(timing=self.timing)
             ready.record(self.dequant_stream)
         self._dequantized(b, pool, [slot], row, ready)
-
-    def _tensor_spans(self, blob: Any) -> list[tuple[str, int, int]]:
-        """Each tensor's bytes in a blob, ``(name, lo, hi)`` in blob order: its fields lie together."""
-        spans = self._spans.get(id(blob))
-        if spans is None:
-            spans = []
-            for name, _ in blob.shapes:
-                placed = [f for f in blob.fields if f.tensor == name]
-                spans.append((name, min(f.offset for f in placed), max(f.offset + f.spec.nbytes for f in placed)))
-            spans = self._spans[id(blob)] = sorted(spans, key=lambda s: s[1])
-        return spans
 
     def _dequantized(self, b: _Batch, pool: SlotPool, slots: list[int], row: int, ready: Any) -> None:
         """``slots`` were dequantized from transit rows ``row, row + 1, ...`` before ``ready`` (on the

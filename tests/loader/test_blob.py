@@ -55,6 +55,21 @@ def test_alignment_and_stride(precision, lname):
     assert bl.to_json()["stride"] == bl.stride and bl.to_json()["nbytes"] == bl.nbytes
 
 
+@pytest.mark.parametrize("precision", ALL)
+@pytest.mark.parametrize("lname", list(LAYOUTS))
+def test_tensor_spans_hold_each_tensors_fields(precision, lname):
+    """``tensor_spans``: per tensor, in blob order, the byte range from its first field's start to
+    its last field's end, holding all its fields and no other tensor's."""
+    bl = blob_layout(LAYOUTS[lname], precision)
+    spans = bl.tensor_spans
+    assert [name for name, _, _ in spans] == [name for name, _ in bl.shapes]
+    for name, lo, hi in spans:
+        mine = [f for f in bl.fields if f.tensor == name]
+        assert lo == min(f.offset for f in mine) and hi == max(f.offset + f.spec.nbytes for f in mine)
+        assert all(hi <= f.offset or f.offset + f.spec.nbytes <= lo for f in bl.fields if f.tensor != name)
+    assert spans[-1][2] == bl.nbytes and bl.tensor_spans is spans  # computed once
+
+
 @pytest.mark.parametrize("lname", list(LAYOUTS))
 def test_bf16_encode_dequantize_roundtrip_is_exact(lname):
     layout = LAYOUTS[lname]
