@@ -307,6 +307,9 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self.streamed_calls = True  # long calls of warm misses stream part by part (tiers.streamed)
         self.stream_direct = False  # ... through the copy engine, not direct stacks
         self.stream_ahead = False  # ... and then stage the next layer's first warm experts (slower in the H200 prefill A/Bs)
+        self.whole_calls = True  # ... and the longest read their whole layer without a sync (tiers.streamed)
+        self.unsettled: deque = deque()  # whole-layer calls not yet counted, in call order
+        self.used_share: dict[int, float] = {}  # per layer: the share of its warm experts its last long call used
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:
@@ -373,6 +376,14 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._evict_owner(pool, slot)
         pool.owner[slot] = None
         self.cache[id(pool)].forget(slot)
+
+    def hold_resident(self, key: ExpertKey) -> Handle:
+        """Hold a resident ``key`` (no read in flight) without counting a lookup: for a whole-layer
+        call, whose lookups are counted when it is settled."""
+        slot = self.table[key].slot
+        pool = self.pool_of[key.layer]
+        pool.hold(slot)
+        return Handle(key, pool, slot)
 
     def try_acquire(self, key: ExpertKey) -> Handle | None:
         """Hold ``key`` in a GPU slot, staging it if needed. None if every staging slot is held."""
@@ -935,12 +946,14 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
     # -- reporting -------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Start counting afresh: the collector's counters and the static layers' hits."""
+        self.settle()  # calls made before count before
         self.stats_.reset()
         self._static_hits.zero_()
         self._static_host_hits = 0
         self.reset_direct()
 
     def stats(self) -> TierStats:
+        self.settle()
         self.stats_.resolve()
         static = int(self._static_hits.item()) + self._static_host_hits
         direct_gpu, direct_cpu, direct_bytes = self.direct_served()
@@ -972,13 +985,15 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             gpu_slots={"hot": hot, "staging": staging, "cached": cached},
             prefetch=self.stats_.prefetch_report(),
             direct={"on": int(self.direct_reads or self.direct_decode), "decode_calls": self.stats_.direct_calls, "stacks": self.stats_.direct_stacks},
-            streamed={"calls": self.stats_.streamed_calls, "parts": self.stats_.streamed_parts},
+            streamed={"calls": self.stats_.streamed_calls, "parts": self.stats_.streamed_parts, "whole": self.stats_.whole_calls,
+                      "unused": self.stats_.unused_reads, "unused_bytes": self.stats_.unused_bytes},
             memory=memory,
             device=str(self.device),
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},
         )
 
     def close(self) -> None:
+        self.settle()
         if self.rebalancer is not None:
             self.rebalancer.close()
         if self.reader_threads is not None:

@@ -124,6 +124,7 @@ def tiers_experts_forward(
     top_k_weights: torch.Tensor,  # [T, k]
 ) -> torch.Tensor:
     binding = _binding(self)
+    binding.manager.settle()  # this call counts after the whole-layer calls before it
     final_hidden_states = torch.zeros_like(hidden_states)  # [T, H]
     with torch.no_grad():
         expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1)  # [T, k, E+1]
@@ -218,6 +219,12 @@ def tiers_grouped_experts_forward(
             return forward(_proxy(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
         pool = mgr.pool_of[binding.layer]
         return forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
+    if mgr.whole_layer(binding.layer, *top_k_index.shape):
+        mgr.settle(block=False)  # count the earlier ones whose routing is back, without waiting for the rest
+        out = _grouped_whole(self, binding, hidden_states, top_k_index, top_k_weights)
+        if out is not None:
+            return out
+    mgr.settle()  # this call counts after the whole-layer calls before it
     noted = False
     if mgr.decoding and mgr.direct_ready(binding.layer, top_k_index.numel()):
         # a decode step whose misses the GPU reads from pinned memory itself: no sync, no staging
@@ -229,6 +236,7 @@ def tiers_grouped_experts_forward(
     with torch.no_grad():
         hit, counts, picks = _route(self, binding, hidden_states, top_k_index)
     mgr.begin_call(binding.layer, hit, hidden_states.shape[0], noted=noted)
+    mgr.note_share(binding.layer, hit, *top_k_index.shape)
     if not hit:  # no routed expert: grouped_mm would leave every row unwritten
         return torch.zeros_like(hidden_states)
     pool = mgr.pool_of[binding.layer]
@@ -446,6 +454,120 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
             _prefetch(binding, limit, direct=mgr.stream_direct)
         else:  # no router predictions: the next layer in expert order, if this call is long enough
             mgr.stage_ahead(binding.layer, hidden_states.shape[0], top_k_index.shape[-1], limit)
+
+
+def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Ascending ``slots`` as windows ``[lo, hi)``, split where ``WINDOW_GAP`` or more slots lie
+    between two of them (as ``_windows`` splits used slots)."""
+    runs: list[list[int]] = []
+    for slot in slots:
+        if runs and slot - runs[-1][1] < WINDOW_GAP:
+            runs[-1][1] = slot + 1
+        else:
+            runs.append([slot, slot + 1])
+    return [(lo, hi) for lo, hi in runs]
+
+
+@dataclass
+class _WholePlan:
+    """A whole-layer call's plan, made on the host from its slots alone (no routing).
+
+    Every expert's rows get the sort key ``group * n_slots + slot`` (group 0: the held experts;
+    group p + 1: part p). Each group's slots split into windows, one per grouped GEMM; a window's
+    bounds are the keys of its first slot and one past each of its slots, so one ``searchsorted``
+    of them in the sorted keys gives every window's first row and per-slot row ends."""
+
+    key_of: list[int]  # expert id (sentinel included) -> sort key
+    segments: list[tuple[int, int, int, int]]  # (group, lo, hi, index of its first bound), in group order
+    bounds: list[int]
+    base: list[int]  # per bound: the index of its window's first bound
+    ends: list[tuple[int, int]]  # (expert, index of the bound its rows end at)
+
+
+def _whole_plan(s, num_experts: int) -> _WholePlan:
+    n_slots = s.pool.n_slots
+    key_of = [STREAM_KEY_END] * (num_experts + 1)
+    groups = [[(h.slot, h.key.expert) for h in s.held]] + [list(zip(s.slots(p), part)) for p, part in enumerate(s.parts)]
+    segments, bounds, base, ends = [], [], [], []
+    for g, pairs in enumerate(groups):
+        expert_at = dict(pairs)  # slot -> expert
+        for slot, e in pairs:
+            key_of[e] = g * n_slots + slot
+        for lo, hi in _slot_runs(sorted(expert_at)):
+            first = len(bounds)
+            segments.append((g, lo, hi, first))
+            bounds.append(g * n_slots + lo)
+            for slot in range(lo, hi):
+                bounds.append(g * n_slots + slot + 1)
+                if slot in expert_at:
+                    ends.append((expert_at[slot], len(bounds) - 1))
+            base.extend([first] * (hi - lo + 1))
+    return _WholePlan(key_of, segments, bounds, base, ends)
+
+
+def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor | None:
+    """A whole-layer call (``tiers.streamed``): every warm expert of the layer streamed through the
+    reserved slots, with no host sync, or None if it does not qualify. The rows are sorted once
+    by key (``_WholePlan``); each window then gathers its rows into a buffer of ``T * min(k,
+    slots)`` rows, as many as it can get (a token's picks are distinct), whose grouped GEMMs run
+    over the rows its device-side offsets cover; rows past them go to a spare output row. The
+    held experts run after parts 0 and 1, whose reads were queued first, so the copy engine
+    reads part 2 while they run."""
+    mgr = binding.manager
+    T, k = top_k_index.shape
+    s = mgr.begin_stream(binding.layer, list(range(self.num_experts)), whole=(T, k))
+    if s is None:
+        return None
+    plan = _whole_plan(s, self.num_experts)
+    done = False
+    try:
+        for p in range(min(2, len(s.parts))):
+            mgr.stream_part(s, p)
+        n_slots, rows_n = s.pool.n_slots, T * k
+        firsts = [f for *_, f in plan.segments]
+        lasts = [f + hi - lo for _, lo, hi, f in plan.segments]
+        key_map, bounds, base, first_at, last_at = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts])
+        sorted_keys, order = torch.sort(key_map[top_k_index.reshape(-1)], stable=True)  # [T*k]
+        at = torch.searchsorted(sorted_keys, bounds)  # [B] rows before each bound
+        offs = (at - at[base]).to(torch.int32)  # [B] per window slot: its rows' end, from the window's first row
+        cap = T * min(k, max(hi - lo for _, lo, hi, _ in plan.segments))
+        pos = at[first_at].unsqueeze(1) + torch.arange(cap, device=at.device)  # [S, cap] sorted row of each buffer row
+        valid = pos < at[last_at].unsqueeze(1)
+        src = order[pos.clamp_(max=rows_n - 1)]  # [S, cap] flat (token, pick) row
+        dest = torch.where(valid, src, rows_n)  # rows past the window's -> the spare row
+        weights = top_k_weights.reshape(-1)[src]  # [S, cap]
+        slot_ids = sorted_keys[pos] % n_slots if self.has_bias else None
+        out = torch.zeros(rows_n + 1, hidden_states.shape[-1], dtype=torch.promote_types(s.pool.dtype, top_k_weights.dtype),
+                          device=hidden_states.device)  # [T*k + 1, H] as the GEMMs' rows times their weights
+        proxy = _proxy(self, s.pool.slabs, n_slots)
+        by_group: dict[int, list[int]] = {}
+        for j, (g, *_) in enumerate(plan.segments):
+            by_group.setdefault(g, []).append(j)
+
+        def run(g: int) -> None:
+            for j in by_group.get(g, ()):
+                _, lo, hi, f = plan.segments[j]
+                c = T * min(k, hi - lo)
+                xs = hidden_states[torch.div(src[j, :c], k, rounding_mode="floor")]  # [c, H]
+                y = _run_windows(proxy, xs, [{"lo": lo, "hi": hi, "a": 0, "b": c}], offs[f + 1 : f + 1 + hi - lo],
+                                 None if slot_ids is None else slot_ids[j, :c])
+                out.index_copy_(0, dest[j, :c], y * weights[j, :c].unsqueeze(-1))
+
+        for p in range(len(s.parts)):
+            if 0 < p < len(s.parts) - 1:
+                mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
+            mgr.wait_part(s, p)
+            run(p + 1)
+            mgr.end_part(s, p)
+            if p == min(1, len(s.parts) - 1):
+                mgr.wait_all(s.held)
+                run(0)
+        done = True
+        return out[:rows_n].view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
+    finally:
+        mgr.end_stream(s)
+        if done:
+            mgr.defer_whole(s, at, plan.ends)
 
 
 def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], chunks: list[list[int]]) -> torch.Tensor:

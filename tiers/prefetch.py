@@ -99,7 +99,10 @@ class Prefetcher:
 
     def note_used(self, layer: int, experts: list[int]) -> None:
         """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""
-        predicted = self.predicted.pop(layer, None)
+        self.score_prediction(self.predicted.pop(layer, None), experts)
+
+    def score_prediction(self, predicted: set[int] | None, experts: list[int]) -> None:
+        """Count a layer call's prediction (None: it had none) against the experts it used."""
         if predicted is not None:
             self.stats_.prefetch_correct += len(predicted.intersection(experts))
             self.stats_.prefetch_used_total += len(experts)

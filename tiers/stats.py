@@ -29,7 +29,9 @@ class TierStats:
     prefetch: dict[str, float] = field(default_factory=dict)
     rebalance: dict[str, int] = field(default_factory=dict)
     direct: dict[str, int] = field(default_factory=dict)  # on (0/1), decode_calls, stacks: the direct-read paths taken
-    streamed: dict[str, int] = field(default_factory=dict)  # calls, parts: long calls read part by part into reserved slots
+    # calls, parts: long calls read part by part into reserved slots; whole: of those, calls that
+    # read their layer's every warm expert without a sync; unused, unused_bytes: what those read in vain
+    streamed: dict[str, int] = field(default_factory=dict)
 
     @property
     def h2d_gbps(self) -> float:
@@ -90,6 +92,9 @@ class TierStats:
                          "decoded by the GPU straight from pinned memory")
         if self.streamed.get("calls"):
             lines.append(f"streamed: {self.streamed['calls']} long layer calls read in {self.streamed['parts']} parts into reserved slots")
+            if self.streamed.get("whole"):
+                lines.append(f"  {self.streamed['whole']} of them read their whole layer without a sync; {self.streamed['unused']} "
+                             f"experts read in vain ({self.streamed['unused_bytes'] / mib:.1f} MiB)")
         if self.rebalance:
             r = self.rebalance
             lines.append(
@@ -120,6 +125,9 @@ class StatsCollector:
     direct_stacks: int = 0  # direct stacks launched
     streamed_calls: int = 0  # layer calls streamed part by part (tiers.streamed)
     streamed_parts: int = 0  # their parts of misses
+    whole_calls: int = 0  # of those, calls that read every warm expert of their layer without a sync
+    unused_reads: int = 0  # experts such calls read (or took from the cache) that no row was routed to
+    unused_bytes: int = 0  # ... and the bytes those reads moved
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 
     def lookup(self, served_by: str) -> None:
@@ -164,6 +172,7 @@ class StatsCollector:
         self.async_reads = self.async_read_errors = 0
         self.direct_calls = self.direct_stacks = 0
         self.streamed_calls = self.streamed_parts = 0
+        self.whole_calls = self.unused_reads = self.unused_bytes = 0
         self.hits = dict.fromkeys(TIERS, 0)
         self.misses = dict.fromkeys(TIERS, 0)
         self.bytes_moved = {"cpu": 0, "nvme": 0}

@@ -25,11 +25,22 @@ Reserved slots hold no cache: a miss is read into a slot the residency table nev
 cached expert used in place leaves the cache, and each half goes back empty, with the event
 recorded after its last part's kernels, when the call ends. Misses on disk leave the
 call to the general path, which reads them on the reader threads.
+
+Whole-layer calls (``whole=True``): a call so long that every expert of its layer is all but
+certain to be routed to (a prompt's prefill) need not wait for its routing on the host. Every
+warm expert of the layer is read, in expert order; the rows are sorted and each part's row range
+found on the device; and the host queues the call without a sync, so it runs ahead into the
+next layers while the GPU computes, and the next layer's first reads queue behind this one's
+(each half's first reads wait on its slots' last reads, not on the whole compute stream). The
+lookups the call made are counted later, in call order, once its row bounds have reached the
+host (``settle``); experts read but routed no row are counted as read in vain.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 import quant
 from loader.layout import ExpertKey
@@ -47,12 +58,27 @@ class Stream:
     part_slots: list[list[int]]  # each part's slots, in the part's order
     halves: tuple[list[int], list[int]]  # the reserved slots
     preloaded: frozenset[int]  # experts of parts 0 and 1 whose bytes are in their slot already (no read)
-    freed: list = field(default_factory=list)  # per half: the event its last reader's kernels were queued before
+    freed: list = field(default_factory=list)  # per half: the events its next reads wait on (its last readers' kernels)
     ended: int = 0  # parts whose kernels are queued (end_part)
+    whole: Whole | None = None  # a whole-layer call's lookups, counted when settled
 
     def slots(self, p: int) -> list[int]:
         """The slots part ``p``'s experts are in (or read into), in the part's order."""
         return self.part_slots[p]
+
+
+@dataclass
+class Whole:
+    """What a whole-layer call looked up, counted once its routing is on the host (``settle``)."""
+
+    tokens: int
+    top_k: int
+    predicted: set[int] | None  # the prediction made for this layer, scored when settled
+    took: dict[int, int | None] = field(default_factory=dict)  # cached experts used in place -> bytes if read ahead
+    read: list[int] = field(default_factory=list)  # experts read from the warm pool
+    ends: list[tuple[int, int]] = field(default_factory=list)  # (expert, i): its rows end at bound i, start at bound i - 1
+    bounds: Any = None  # the call's row bounds (host, filled by a copy without a sync)
+    done: Any = None  # recorded after that copy
 
 
 class StreamedCalls:
@@ -60,10 +86,12 @@ class StreamedCalls:
 
     STREAM_AHEAD_COVERAGE = 0.9  # expected share of a layer's experts a call must hit for stage_ahead
 
-    def begin_stream(self, layer: int, experts: list[int]) -> Stream | None:
+    def begin_stream(self, layer: int, experts: list[int], whole: tuple[int, int] | None = None) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the
         call does not qualify (a miss on disk, a routing trace recorded, fewer than two free
-        staging slots, or misses that fit half of them), holding nothing then.
+        staging slots, or misses that fit half of them), holding nothing then. ``whole``: the
+        tokens and top-k of a whole-layer call (``experts`` is every expert of the layer), whose
+        lookups are counted when it is settled.
 
         Every unheld staging slot is reserved and split into two halves. The call's experts
         cached in those slots (read ahead by lookahead, or left by an earlier call) stay where
@@ -88,13 +116,15 @@ class StreamedCalls:
         ordered = sorted(free, key=lambda s: (s not in cached, s))[: 2 * half]
         halves = (sorted(ordered[:half]), sorted(ordered[half:]))
         misses += [e for slot, e in cached.items() if slot not in ordered]  # an odd slot out: read again
-        held = [self.try_acquire(ExpertKey(layer, e)) for e, r in zip(experts, rows) if r.slot is not None and r.slot not in cached]
+        resident = [ExpertKey(layer, e) for e, r in zip(experts, rows) if r.slot is not None and r.slot not in cached]
+        w = Whole(*whole, self.predicted.pop(layer, None)) if whole else None
+        held = [self.hold_resident(key) for key in resident] if w else [self.try_acquire(key) for key in resident]
         compute = self.streams.current()
         parts, part_slots = [], []
         for h in halves:
             pre = [s for s in h if s in cached]
             for s in pre:
-                self._take_cached(pool, s)
+                self._take_cached(pool, s, w)
             rest = [s for s in h if s not in cached][: len(misses)]
             parts.append([cached[s] for s in pre] + misses[: len(rest)])
             part_slots.append(pre + rest)
@@ -104,25 +134,45 @@ class StreamedCalls:
             parts.append(misses[: len(h)])
             part_slots.append(h[: len(parts[-1])])
             misses = misses[len(h) :]
+        # a whole-layer call's first reads wait on its halves' last readers only, so they may run
+        # while the kernels queued before them (the layer's attention) do
+        freed = [self._last_reads(pool, h) for h in halves] if w else None
         for s in ordered:
             if s in cached:
                 pool.hold(s)  # its expert, used in place, keeps the ready event its part waits on
             else:
                 self.reserve_slot(pool, s, compute)
-        start = self.streams.event()
-        start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it
+        if freed is None:
+            start = self.streams.event()
+            start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it
+            freed = [[start], [start]]
         assert all(parts), "more misses than half the slots: parts 0 and 1 both serve some"
         self.stats_.streamed_calls += 1
-        return Stream(layer, pool, held, parts, part_slots, halves, frozenset(cached[s] for s in ordered if s in cached), [start, start])
+        self.stats_.whole_calls += bool(w)
+        return Stream(layer, pool, held, parts, part_slots, halves, frozenset(cached[s] for s in ordered if s in cached), freed, whole=w)
 
-    def _take_cached(self, pool: Any, slot: int) -> None:
+    @staticmethod
+    def _last_reads(pool: Any, slots: list[int]) -> list:
+        """The distinct last-read events of ``slots``: a copy into them waits on these."""
+        evs: list = []
+        for slot in slots:
+            ev = pool.last_read[slot]
+            if ev is not None and not any(ev is e for e in evs):
+                evs.append(ev)
+        return evs
+
+    def _take_cached(self, pool: Any, slot: int, whole: Whole | None = None) -> None:
         """A cached expert of a streamed call is used where it is, and leaves the cache: counted as
-        a lookup served from the GPU (a used read-ahead), as ``try_acquire`` would count it."""
+        a lookup served from the GPU (a used read-ahead), as ``try_acquire`` would count it, or
+        for a whole-layer call when it is settled."""
         key = pool.owner[slot]
-        self.cache[id(pool)].access(key)
-        self.stats_.lookup("gpu")
-        if self.prefetched.pop(key, None) is not None:
-            self.stats_.prefetch_used += 1
+        if whole is not None:
+            whole.took[key.expert] = self.prefetched.pop(key, None)
+        else:
+            self.cache[id(pool)].access(key)
+            self.stats_.lookup("gpu")
+            if self.prefetched.pop(key, None) is not None:
+                self.stats_.prefetch_used += 1
         self.drop_staged(pool, slot)
 
     def stage_ahead(self, layer: int, tokens: int, top_k: int, limit: int) -> int:
@@ -151,15 +201,20 @@ class StreamedCalls:
         self.stats_.streamed_parts += 1
         if not reads:
             return
-        self.copy_stream.wait_event(s.freed[p % 2])
+        for ev in s.freed[p % 2]:
+            self.copy_stream.wait_event(ev)
         assert self._batch is None, "a streamed part is read inside another staging batch"
         with self.staging():  # one batch: the part's stacks and ready events
             fetched = []
             for e, slot in reads:
                 key = ExpertKey(s.layer, e)
-                lru.access(key)  # the policy counts every lookup
+                if s.whole is None:
+                    lru.access(key)  # the policy counts every lookup
                 fetched.append((key, *self._fetch(key, self.table[key], pool, slot)))
-                self.stats_.lookup(fetched[-1][2])
+                if s.whole is None:
+                    self.stats_.lookup(fetched[-1][2])
+                else:
+                    s.whole.read.append(e)
             slots = [slot for _, slot in reads]
             blob = self.manifest.blob(fetched[0][0], fetched[0][1])
             if all(source == "cpu" for _, _, source, _ in fetched) and self._runs_copy(pool, blob):
@@ -188,7 +243,7 @@ class StreamedCalls:
         """Part ``p``'s kernels are queued: its half may be read into again after them."""
         ev = self.streams.event()
         ev.record(self.streams.current())
-        s.freed[p % 2] = ev
+        s.freed[p % 2] = [ev]
         s.ended = p + 1
 
     def end_stream(self, s: Stream) -> None:
@@ -200,8 +255,95 @@ class StreamedCalls:
             self._wait_slots(s.pool, s.halves[0] + s.halves[1])
             ev = self.streams.event()
             ev.record(self.streams.current())
-            s.freed = [ev, ev]
-        for half, ev in zip(s.halves, s.freed):
+            s.freed = [[ev], [ev]]
+        for half, (ev,) in zip(s.halves, s.freed):
             for slot in half:
                 s.pool.end_read_at(slot, ev)
         self.release_all(s.held)
+
+    # -- whole-layer calls -------------------------------------------------------------------
+    WHOLE_LAYER_MISS = 1e-3  # a whole-layer call: each expert unrouted with chance at most this under uniform routing
+    WHOLE_LAYER_ROWS = 1 << 17  # ... and at most this many (token, pick) rows: each part gathers up to T·k of them
+    WHOLE_LAYER_USED = 0.9  # ... and the layer's last such call used at least this share of the warm experts it could
+
+    def long_call(self, layer: int, tokens: int, top_k: int) -> bool:
+        """A call long enough that, were routing uniform, every expert of ``layer`` would be routed
+        to but with chance ``WHOLE_LAYER_MISS``: ``(1 - k/E)^T <= WHOLE_LAYER_MISS``."""
+        n = self.manifest.layers[layer].layout.num_experts
+        return (1 - top_k / n) ** tokens <= self.WHOLE_LAYER_MISS
+
+    def whole_layer(self, layer: int, tokens: int, top_k: int) -> bool:
+        """Whether a call of ``tokens`` tokens at ``layer`` goes as a whole-layer call (it still
+        needs ``begin_stream`` to qualify): on, no routing trace recorded, not decode, more rows
+        than a host-routed call and few enough for its gathers, a long call, and the layer's last
+        long call used at least ``WHOLE_LAYER_USED`` of its warm experts (``used_share``; none
+        yet: taken as all). Real routing is not uniform: a random-weight model's router sends a
+        prompt's 2048 tokens to about 40% of Qwen3-30B-A3B's experts, and reading the rest too
+        would move 2.5 times the bytes."""
+        if not (self.whole_calls and self.streamed_calls) or self.recorded is not None or self.decoding:
+            return False
+        rows = tokens * top_k
+        return (self.HOST_ROUTED_ROWS < rows <= self.WHOLE_LAYER_ROWS and self.long_call(layer, tokens, top_k)
+                and self.used_share.get(layer, 1.0) >= self.WHOLE_LAYER_USED)
+
+    def note_share(self, layer: int, experts: list[int], tokens: int, top_k: int) -> None:
+        """After a long call at ``layer`` that used ``experts``: the share of the layer's experts
+        not hot that it used, which decides whether its next long call reads them all."""
+        if not self.long_call(layer, tokens, top_k):
+            return
+        n = self.manifest.layers[layer].layout.num_experts
+        warm = [e for e in range(n) if not self.table[ExpertKey(layer, e)].pinned]
+        used = set(experts)
+        self.used_share[layer] = sum(e in used for e in warm) / len(warm) if warm else 1.0
+
+    def defer_whole(self, s: Stream, bounds: torch.Tensor, ends: list[tuple[int, int]]) -> None:
+        """A whole-layer call's kernels are queued: copy its row bounds (``[B]`` on the device) to
+        the host without a sync; ``settle`` counts the call. ``ends``: (expert, i) for every expert
+        of the layer, whose rows lie between bounds ``i - 1`` and ``i``."""
+        w = s.whole
+        w.ends = ends
+        if bounds.device.type == "cuda":
+            w.bounds = torch.empty(bounds.shape, dtype=bounds.dtype, pin_memory=True)
+            w.bounds.copy_(bounds, non_blocking=True)
+        else:
+            w.bounds = bounds.clone()
+        w.done = self.streams.event()
+        w.done.record(self.streams.current())
+        self.unsettled.append(s)
+
+    def settle(self, block: bool = True) -> None:
+        """Count the whole-layer calls whose row bounds have reached the host, in call order:
+        every one, waiting for them, when ``block`` (before any other call, and before stats)."""
+        while self.unsettled:
+            s = self.unsettled[0]
+            if not block and not s.whole.done.query():
+                return
+            s.whole.done.synchronize()
+            self.unsettled.popleft()
+            self._count_whole(s)
+
+    def _count_whole(self, s: Stream) -> None:
+        """What a streamed call counts at once, for a settled whole-layer call: the cache policy's
+        visit and lookups, the rebalancer's routing, the hits, the prediction's score; and the
+        experts it read (or took from the cache) that no row was routed to."""
+        w, layer = s.whole, s.layer
+        at = w.bounds.tolist()
+        used = sorted(e for e, i in w.ends if at[i] > at[i - 1])
+        self.score_prediction(w.predicted, used)
+        self.begin_call(layer, used, w.tokens)
+        self.note_share(layer, used, w.tokens, w.top_k)
+        lru, read = self.cache[id(s.pool)], set(w.read)
+        for e in used:
+            key = ExpertKey(layer, e)
+            if e in w.took or e in read:
+                lru.access(key)
+            self.stats_.lookup("cpu" if e in read else "gpu")
+            if w.took.get(e) is not None:
+                self.stats_.prefetch_used += 1
+        used_set = set(used)
+        for e in read - used_set:
+            self.stats_.unused_reads += 1
+            self.stats_.unused_bytes += self.manifest.ref(ExpertKey(layer, e), self.cfg.cpu.precision).nbytes
+        for e, nbytes in w.took.items():
+            if e not in used_set and nbytes is not None:
+                self.stats_.prefetch_wasted_bytes += nbytes  # read ahead, never used: as an eviction counts it

@@ -279,6 +279,7 @@ def run(args) -> dict:
             sync(device)
         if device.type == "cuda":
             extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device) - resident
+        mgr.reset_stats()  # the timed prefills' bytes only: the warm-up's whole-layer reads follow no earlier call
         # prefill as decode: each repetition times the arm and then the paired model (warmed up once)
         prefill_reps = max(1, reps - 1)
         with routed(paired, name):
@@ -287,7 +288,11 @@ def run(args) -> dict:
                 sync(device)
             arm_s, pair_s = paired_timings(lambda: m(prefill_ids), lambda: paired(prefill_ids), device, prefill_reps)
         extra["prefill_s"], extra["paired_prefill_s"] = statistics.median(arm_s), statistics.median(pair_s)
-        extra["prefill_bytes_moved"] = sum(mgr.stats().bytes_moved.values()) / (prefill_reps + 1)  # with the warm-up
+        ps = mgr.stats()
+        extra["prefill_bytes_moved"] = sum(ps.bytes_moved.values()) / prefill_reps
+        # what whole-layer calls read without a row routed to it (counted in the bytes moved)
+        extra["prefill_unused_bytes"] = ps.streamed.get("unused_bytes", 0) / prefill_reps
+        extra["prefill_whole_calls"] = ps.streamed.get("whole", 0) / prefill_reps
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, "paired_all_gpu_ms_per_token": paired_decode_ms, **extra}
         mgr.close()
         return row
@@ -443,7 +448,8 @@ def markdown(r: dict) -> str:
             f"{a['overhead_over_bytes_bound']:.2f}" if a.get("overhead_over_bytes_bound") is not None else "-",
             pair_text,
             f"{a['prefill_s']:.3f}",
-            (f"{a['prefill_over_bound']:.2f}" + (f" ({a['prefill_over_paired_bound']:.2f})" if "prefill_over_paired_bound" in a else ""))
+            (f"{a['prefill_over_bound']:.2f}" + (f" ({a['prefill_over_paired_bound']:.2f})" if "prefill_over_paired_bound" in a else "")
+             + (f"; {a['prefill_unused_bytes'] / a['prefill_bytes_moved']:.0%} read in vain" if a.get("prefill_unused_bytes") else ""))
             if "prefill_over_bound" in a else "-",
             f"{moved.get('cpu', 0) / mib:.1f}, {moved.get('nvme', 0) / mib:.1f}, {moved.get('rebalance', 0) / mib:.1f}" if moved else "-",
             f"{a['h2d_gbps']:.1f}" if "h2d_gbps" in a else "-",

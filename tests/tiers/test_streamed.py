@@ -231,6 +231,7 @@ def test_a_streamed_call_prefetches_into_half_the_slots_it_gave_back(checkpoint_
     model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
     mgr = manager_of(model)
     mgr.direct_reads = True
+    mgr.whole_calls = False  # calls that wait for their routing: whole-layer calls predict nothing
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
     ref.set_experts_implementation("grouped_mm")
     staging = mgr.stats().gpu_slots["staging"]
@@ -339,6 +340,7 @@ def test_stage_ahead_stages_the_next_layer_in_order_after_a_long_call(tokens, ch
     mgr = manager_of(model)
     assert not mgr.stream_ahead
     mgr.stream_ahead = mgr.direct_reads = True
+    mgr.whole_calls = False  # stage_ahead follows calls that wait for their routing
     direct_stacks, stage_direct = [], mgr._stage_direct
     mgr._stage_direct = lambda *a: direct_stacks.append(a) or stage_direct(*a)
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
@@ -437,7 +439,7 @@ def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(de
     read = [k for k in used if not mgr.table[k].pinned and k not in cached]
     mgr.streamed_calls = True
     begin, plans = mgr.begin_stream, []
-    mgr.begin_stream = lambda *a: plans.append(begin(*a)) or plans[-1]
+    mgr.begin_stream = lambda *a, **kw: plans.append(begin(*a, **kw)) or plans[-1]
     mgr.reset_stats()
     with torch.no_grad():
         got = mod(x, idx, w)
@@ -452,3 +454,151 @@ def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(de
     _assert_close(want, got, device, f"layer {layer}")
     _assert_consistent(mgr)
 
+
+
+def _used(idx) -> list[int]:
+    return sorted(set(idx.reshape(-1).tolist()))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, device, checkpoint_factory, packed_factory):
+    """Calls long enough to route to every expert read their layer's every warm expert with no
+    host sync (on CUDA, sync debug mode raises on one) and count nothing until settled; then
+    each used expert is one lookup, a cpu hit where it was read, and the outputs equal
+    transformers' grouped_mm (bf16; bit-identical on the CPU) or the calls that wait for their
+    routing (INT8)."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg(precision), device=device, progress=False)
+    mgr = manager_of(model)
+    calls = [c for c in _calls(model, 64, seed=11) if c[0] not in mgr.static_maps]
+    assert calls and all(mgr.whole_layer(c[0], *c[4].shape) for c in calls)
+    used = [_used(c[4].cpu()) for c in calls]
+    read = [[e for e in u if mgr.table[ExpertKey(c[0], e)].slot is None] for c, u in zip(calls, used)]
+    if precision == "bf16":
+        ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).to(device).eval()
+        ref.set_experts_implementation("grouped_mm")
+        with torch.no_grad():
+            want = [ref.get_submodule(name)(x, idx, w) for _, name, _, x, idx, w in calls]
+    else:
+        mgr.whole_calls = False
+        with torch.no_grad():
+            want = [mod(x, idx, w) for _, _, mod, x, idx, w in calls]
+        for (layer, *_), r in zip(calls, read):  # the general path's calls left nothing cached: reserved slots
+            assert all(mgr.table[ExpertKey(layer, e)].slot is None for e in r)
+        mgr.whole_calls = True
+    mgr.reset_stats()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            got = [mod(x, idx, w) for _, _, mod, x, idx, w in calls]
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    # each call counts the calls before it whose bounds have landed (on the CPU, all of them); the last waits
+    settled = len(calls) - len(mgr.unsettled)
+    assert 0 <= settled < len(calls) and sum(mgr.stats_.hits.values()) == sum(map(len, used[:settled])), "counted before settling"
+    s = mgr.stats()
+    assert not mgr.unsettled
+    assert s.streamed["whole"] == s.streamed["calls"] == len(calls) and s.streamed["unused"] == 0
+    assert s.hits["cpu"] == sum(map(len, read)) and s.hits["gpu"] == sum(map(len, used)) - sum(map(len, read))
+    blob = mgr.manifest.layers[calls[0][0]].blobs[precision].nbytes
+    assert s.bytes_moved["cpu"] == blob * sum(map(len, read))
+    for (layer, *_), a, b in zip(calls, want, got):
+        _assert_close(a, b, device, f"layer {layer}")
+    _assert_consistent(mgr)
+
+
+def test_a_whole_layer_call_counts_the_experts_it_read_in_vain(device, packed_factory):
+    """Routing that leaves some warm experts without a row: the call still reads them (it plans
+    without the routing), counts them as read in vain with their bytes, and not as lookups; the
+    cache policy's visit and lookups see only the used experts, as a call that waits would."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16", fraction=0.25), device=device, progress=False)
+    mgr = manager_of(model)
+    layer, _, mod, x, idx, w = next(c for c in _calls(model, 64, seed=2) if c[0] not in mgr.static_maps)
+    warm = [e for e in range(8) if mgr.table[ExpertKey(layer, e)].slot is None]
+    unused = warm[:2]
+    keep = [e for e in range(8) if e not in unused]
+    g = torch.Generator().manual_seed(4)
+    idx = torch.stack([torch.tensor(keep)[torch.randperm(len(keep), generator=g)[:2]] for _ in range(64)]).to(idx.device)
+    lru = mgr.cache[id(mgr.pool_of[layer])]
+    visits, accesses = [], []
+    visit, access = lru.visit, lru.access
+    lru.visit = lambda L, keys: visits.append((L, [k.expert for k in keys])) or visit(L, keys)
+    lru.access = lambda key: accesses.append(key.expert) or access(key)
+    mgr.reset_stats()
+    with torch.no_grad():
+        mod(x, idx, w)
+    assert not visits and not accesses, "counted before settling"
+    s = mgr.stats()
+    blob = mgr.manifest.layers[layer].blobs["bf16"].nbytes
+    assert s.streamed["whole"] == 1 and s.streamed["unused"] == len(unused) and s.streamed["unused_bytes"] == blob * len(unused)
+    assert s.bytes_moved["cpu"] == blob * len(warm), "every warm expert was read"
+    assert s.hits["cpu"] == len(warm) - len(unused) and s.hits["gpu"] == len(keep) - (len(warm) - len(unused))
+    assert visits == [(layer, _used(idx.cpu()))]
+    assert sorted(accesses) == sorted(e for e in warm if e not in unused)
+    assert "read their whole layer without a sync" in str(s)
+    # that call used too few of the warm experts: the layer's next long call waits for its routing
+    # and reads only what it uses; one that uses them all makes the next one whole again
+    assert mgr.used_share[layer] == (len(warm) - len(unused)) / len(warm) < mgr.WHOLE_LAYER_USED
+    assert not mgr.whole_layer(layer, *idx.shape)
+    mgr.reset_stats()
+    with torch.no_grad():
+        mod(x, idx, w)
+    s = mgr.stats()
+    assert s.streamed["whole"] == 0 and s.bytes_moved["cpu"] <= blob * (len(warm) - len(unused))
+    full = _calls(model, 64, seed=2)
+    _, _, _, x2, idx2, w2 = next(c for c in full if c[0] == layer)
+    assert len(_used(idx2.cpu())) == 8
+    with torch.no_grad():
+        mod(x2, idx2, w2)
+    assert mgr.used_share[layer] == 1.0 and mgr.whole_layer(layer, *idx2.shape)
+
+
+def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(packed_factory):
+    """Recording streams: ``settle(block=False)`` counts the calls whose bounds have landed, in
+    order, and stops at the first that has not; a call that waits for its routing settles every
+    call before it first. A whole call's first reads into each half wait on that half's slots'
+    last reads, not on an event recorded after the kernels queued before the call."""
+    import tiers.integration as integ
+    from test_engine import _recorded_manager
+
+    mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
+    layers = [L for L in sorted(mgr.manifest.layers) if L not in mgr.static_maps]
+    order = []
+    count = mgr._count_whole
+    mgr._count_whole = lambda s: order.append(s.layer) or count(s)
+    streams = []
+    for L in layers:
+        s = mgr.begin_stream(L, list(range(8)), whole=(64, 2))
+        assert s is not None and s.whole is not None
+        if streams:  # the halves' last reads are the previous call's last parts' events
+            prev = streams[-1]
+            assert all(any(ev is e for e in prev.freed[0] + prev.freed[1]) for half in s.freed for ev in half) and all(s.freed)
+        for p in range(len(s.parts)):
+            mgr.stream_part(s, p)
+            mgr.wait_part(s, p)
+            mgr.end_part(s, p)
+        mgr.end_stream(s)
+        mgr.defer_whole(s, torch.zeros(1, dtype=torch.int64), [])
+        streams.append(s)
+
+    class Pending:
+        def __init__(self):
+            self.landed = False
+
+        def query(self):
+            return self.landed
+
+        def synchronize(self):
+            self.landed = True
+
+    gates = [Pending() for _ in streams]
+    for s, gate in zip(streams, gates):
+        s.whole.done = gate
+    gates[0].landed = gates[2 % len(gates)].landed = True
+    mgr.settle(block=False)
+    assert order == layers[:1], "stops at the first call not landed"
+    mgr.settle()
+    assert order == layers and not mgr.unsettled and all(g.landed for g in gates)
+    assert integ  # the integration path calls settle before any call that waits (test_whole_layer_calls_run...)
