@@ -5,7 +5,9 @@
 
 A profiler slows the host about two-fold, which changes whether the copy engine waits on Python
 or Python on the GPU, so this measures with clocks alone. Each config is precision : staging
-slots : prefetch depth : GPU fraction (the rest warm); every config's model is loaded up front and
+slots : prefetch depth : GPU fraction (the rest warm), and optionally : whole (``on``: every long
+call reads its whole layer without a sync, ``off``: none does; by default as the engine decides);
+every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
 against the untiered model's of that repetition), then once more with marks: a host clock
@@ -21,6 +23,7 @@ end. Per streamed layer (medians over layers, then over repetitions):
   kernels, attention, router and the sync) and ``boundary_plan_ms`` (from there to the first copy:
   the host planning and queuing the call);
 - ``tail_ms``: device time from the layer's last copy to its experts call's end;
+- ``kernel_ms``: device time from each part's wait for its reads to its kernels' end, summed;
 - ``host_attn_ms``, ``host_route_ms``, ``host_call_ms``: host time before the experts call, in the
   route (mostly waiting for the sync) and in the rest of the call;
 - ``host_layer_ms``, ``device_layer_ms``: from the layer's start to the next one's, on each clock
@@ -115,6 +118,10 @@ def split(marks: list[tuple[str, int, float, float]]) -> dict:
                     row["boundary_plan_ms"] = starts[0] - first["routed"][1]
             if "experts_end" in first:
                 row["tail_ms"] = first["experts_end"][1] - ends[-1]
+        k0 = [d for w, _, _, d in ms if w == "kernels"]
+        k1 = [d for w, _, _, d in ms if w == "kernels_end"]
+        if k0 and len(k0) == len(k1):
+            row["kernel_ms"] = sum(b - a for a, b in zip(k0, k1))
         rows.append(row)
     streamed = [r for r in rows if "copy_ms" in r]
     fields = sorted({k for r in rows for k in r} - {"layer"})
@@ -196,7 +203,8 @@ def instrument(model, mgr, marks: Marks) -> list:
 
 # the engine's steps timed on the host (TierManager attributes)
 STEPS = ("begin_call", "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "upload_int_lists",
-         "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "read_ahead", "stage_ahead", "note_used", "note_prediction")
+         "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "read_ahead", "stage_ahead", "note_used", "note_prediction",
+         "settle", "defer_whole")
 
 
 def main() -> int:
@@ -239,9 +247,13 @@ def main() -> int:
     print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     for spec in args.configs.split(","):
-        precision, staging, depth, fraction = spec.split(":")
+        precision, staging, depth, fraction, *whole = spec.split(":")
         cfg = warm_config(precision, staging, depth, float(fraction))
         m = tiers.load(packed, cfg, device=device, progress=False)
+        if whole == ["on"]:
+            manager_of(m).WHOLE_LAYER_USED = 0.0  # whatever share of its warm experts the last long call used
+        elif whole == ["off"]:
+            manager_of(m).whole_calls = False
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
         loaded[spec] = (cfg, m, manager_of(m))
     reps = {spec: [] for spec in loaded}
@@ -258,7 +270,7 @@ def main() -> int:
             steps = Steps()
             for attr in (a for a in STEPS if hasattr(mgr, a)):
                 steps.wrap(mgr, attr, attr)
-            for attr in ("_route", "_run_windows"):
+            for attr in ("_route", "_run_windows", "_grouped_whole", "_whole_plan"):
                 steps.wrap(integration, attr, attr)
             try:
                 marks.on = True

@@ -220,7 +220,8 @@ def tiers_grouped_experts_forward(
         pool = mgr.pool_of[binding.layer]
         return forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
     if mgr.whole_layer(binding.layer, *top_k_index.shape):
-        mgr.settle(block=False)  # count the earlier ones whose routing is back, without waiting for the rest
+        if len(mgr.unsettled) >= mgr.UNSETTLED_CALLS:  # else counted at the next call that waits, off a prefill's host path
+            mgr.settle(block=False)
         out = _grouped_whole(self, binding, hidden_states, top_k_index, top_k_weights)
         if out is not None:
             return out
@@ -535,6 +536,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
         valid = pos < at[last_at].unsqueeze(1)
         src = order[pos.clamp_(max=rows_n - 1)]  # [S, cap] flat (token, pick) row
         dest = torch.where(valid, src, rows_n)  # rows past the window's -> the spare row
+        tok = torch.div(src, k, rounding_mode="floor")  # [S, cap]
         weights = top_k_weights.reshape(-1)[src]  # [S, cap]
         slot_ids = sorted_keys[pos] % n_slots if self.has_bias else None
         out = torch.zeros(rows_n + 1, hidden_states.shape[-1], dtype=torch.promote_types(s.pool.dtype, top_k_weights.dtype),
@@ -548,7 +550,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
             for j in by_group.get(g, ()):
                 _, lo, hi, f = plan.segments[j]
                 c = T * min(k, hi - lo)
-                xs = hidden_states[torch.div(src[j, :c], k, rounding_mode="floor")]  # [c, H]
+                xs = hidden_states[tok[j, :c]]  # [c, H]
                 y = _run_windows(proxy, xs, [{"lo": lo, "hi": hi, "a": 0, "b": c}], offs[f + 1 : f + 1 + hi - lo],
                                  None if slot_ids is None else slot_ids[j, :c])
                 out.index_copy_(0, dest[j, :c], y * weights[j, :c].unsqueeze(-1))

@@ -115,6 +115,10 @@ class StreamedCalls:
         # the cached experts' slots first, so they fall in as few halves as the count allows
         ordered = sorted(free, key=lambda s: (s not in cached, s))[: 2 * half]
         halves = (sorted(ordered[:half]), sorted(ordered[half:]))
+        if whole and set(halves[0]) & self.last_half.get(id(pool), set()):
+            # part 0 reads first: into the half the last streamed call's last part did not use,
+            # so those reads need not wait for that part's kernels (the call's tail)
+            halves = (halves[1], halves[0])
         misses += [e for slot, e in cached.items() if slot not in ordered]  # an odd slot out: read again
         resident = [ExpertKey(layer, e) for e, r in zip(experts, rows) if r.slot is not None and r.slot not in cached]
         w = Whole(*whole, self.predicted.pop(layer, None)) if whole else None
@@ -259,12 +263,17 @@ class StreamedCalls:
         for half, (ev,) in zip(s.halves, s.freed):
             for slot in half:
                 s.pool.end_read_at(slot, ev)
+        self.last_half[id(s.pool)] = set(s.slots(len(s.parts) - 1))
         self.release_all(s.held)
 
     # -- whole-layer calls -------------------------------------------------------------------
     WHOLE_LAYER_MISS = 1e-3  # a whole-layer call: each expert unrouted with chance at most this under uniform routing
     WHOLE_LAYER_ROWS = 1 << 17  # ... and at most this many (token, pick) rows: each part gathers up to T·k of them
     WHOLE_LAYER_USED = 0.9  # ... and the layer's last such call used at least this share of the warm experts it could
+    # Whole-layer calls are counted at the next call that waits for its routing (or at stats), or,
+    # once this many wait, as their bounds land: on the H200, counting each at the next one's
+    # start took 0.45 ms of a Qwen3-30B-A3B layer's 12 ms of host time (prefill_split-*-whole.json).
+    UNSETTLED_CALLS = 64
 
     def long_call(self, layer: int, tokens: int, top_k: int) -> bool:
         """A call long enough that, were routing uniform, every expert of ``layer`` would be routed

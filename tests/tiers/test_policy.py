@@ -20,6 +20,7 @@ from loader.layout import ExpertKey
 from loader.packed import read_manifest
 from tiers.config import parse_config
 from tiers.cache import LruSlots
+import tiers.policy
 from tiers.policy import plan_placement
 
 SWEEP = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -94,8 +95,11 @@ def expect(f: Facts, cfg) -> Expected:
         hot, staging, transit = f.n, 0, 0
     else:
         transit = max((f.stride[p] for p in {c.precision, cfg.nvme.precision} if p != "bf16" and p in f.precisions), default=0)
-        # auto: two per routed expert of a token, in at most half the budget, at least one
-        staging = g.staging_slots if g.staging_slots != "auto" else max(1, min(2 * f.top_k, gpu_budget // (f.slot + transit) // 2))
+        # auto: two per routed expert of a token, or up to four so that half of them carries
+        # AUTO_PART_BYTES up, in at most half the budget, at least one
+        moved = transit or f.slot
+        want = max(2 * f.top_k, min(4 * f.top_k, 2 * -(-tiers.policy.AUTO_PART_BYTES // moved)))
+        staging = g.staging_slots if g.staging_slots != "auto" else max(1, min(want, gpu_budget // (f.slot + transit) // 2))
         reserved = staging * (f.slot + transit)
         if gpu_budget < f.slot:
             return Expected(error="^" + re.escape(f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({f.slot} bytes at bf16)"))
@@ -470,17 +474,22 @@ def test_lru_matches_a_model(n, data):
             assert lru.victim(readers) == want
 
 
-@pytest.mark.parametrize("fraction,want", [(0.25, 1), (0.5, 3), (0.75, 4), (0.95, 4)])
-def test_auto_staging_is_two_per_routed_expert_in_at_most_half_the_budget(f, manifest, fraction, want):
-    """top-2 model: auto wants 4 staging slots, takes at most half the budget, at least one."""
+@pytest.mark.parametrize("part_bytes,fraction,want", [(None, 0.25, 1), (None, 0.5, 3), (None, 0.75, 5), (None, 0.95, 7),
+                                                      ("2 experts", 0.95, 4), ("3 experts", 0.95, 6)])
+def test_auto_staging_is_two_per_routed_expert_in_at_most_half_the_budget(f, manifest, fraction, want, part_bytes, monkeypatch):
+    """top-2 model: auto wants 4 staging slots, or up to 8 so that a half carries
+    ``AUTO_PART_BYTES`` of transfer (these experts are far smaller: 8), takes at most half the
+    budget, at least one."""
     assert f.top_k == 2
+    if part_bytes is not None:  # a part of that many INT8 blobs: 4 slots for 2, 6 for 3
+        monkeypatch.setattr(tiers.policy, "AUTO_PART_BYTES", int(part_bytes.split()[0]) * f.stride["int8"])
     cfg = parse_config({"tiers": {"gpu": {"fraction": fraction}}})
     assert cfg.gpu.staging_slots == "auto"
     budget = int(fraction * 24 * f.slot)
-    assert want == max(1, min(4, budget // (f.slot + f.stride["int8"]) // 2))  # the rule, spelled out for these cases
-    exp = expect(f, cfg)
-    assert exp.staging == want
-    check(f, manifest, cfg, exp)
+    wanted = {None: 8, "2 experts": 4, "3 experts": 6}[part_bytes]
+    assert want == max(1, min(wanted, budget // (f.slot + f.stride["int8"]) // 2))  # the rule, spelled out for these cases
+    assert plan_placement(cfg, manifest).groups[0].staging == want
+    check(f, manifest, cfg, expect(f, cfg))
 
 
 def test_auto_staging_reads_top_k_from_the_packed_config(f, manifest, tmp_path):

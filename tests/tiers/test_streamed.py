@@ -569,12 +569,16 @@ def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(packed_fact
     count = mgr._count_whole
     mgr._count_whole = lambda s: order.append(s.layer) or count(s)
     streams = []
-    for L in layers:
-        s = mgr.begin_stream(L, list(range(8)), whole=(64, 2))
+    for i, L in enumerate(layers * 2):
+        # seven experts: three parts, the last in the first half, which the next call must not read into first
+        s = mgr.begin_stream(L, list(range(7 if i % 2 == 0 else 8)), whole=(64, 2))
         assert s is not None and s.whole is not None
         if streams:  # the halves' last reads are the previous call's last parts' events
             prev = streams[-1]
             assert all(any(ev is e for e in prev.freed[0] + prev.freed[1]) for half in s.freed for ev in half) and all(s.freed)
+            # part 0 reads into the half the previous call's last part did not use
+            assert not set(s.slots(0)) & set(prev.slots(len(prev.parts) - 1))
+            assert s.freed[0] == [prev.freed[(len(prev.parts) - 2) % 2][0]]
         for p in range(len(s.parts)):
             mgr.stream_part(s, p)
             mgr.wait_part(s, p)
@@ -600,5 +604,6 @@ def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(packed_fact
     mgr.settle(block=False)
     assert order == layers[:1], "stops at the first call not landed"
     mgr.settle()
-    assert order == layers and not mgr.unsettled and all(g.landed for g in gates)
+    assert order == layers * 2 and not mgr.unsettled and all(g.landed for g in gates)
+    assert any(len(s.parts) % 2 for s in streams[:-1]), "some call must end its parts in the first half"
     assert integ  # the integration path calls settle before any call that waits (test_whole_layer_calls_run...)
