@@ -440,14 +440,18 @@ def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(de
     mgr.streamed_calls = True
     begin, plans = mgr.begin_stream, []
     mgr.begin_stream = lambda *a, **kw: plans.append(begin(*a, **kw)) or plans[-1]
+    lru, accesses = mgr.cache[id(pool)], []
+    access = lru.access
+    lru.access = lambda key: accesses.append(key) or access(key)
     mgr.reset_stats()
     with torch.no_grad():
         got = mod(x, idx, w)
+    st = mgr.stats()  # a whole-layer call counts here
+    assert sorted(accesses) == sorted(k for k in used if not mgr.table[k].pinned), "the policy sees every lookup of a warm expert"
     s = plans[0]
     assert s is not None and len(s.halves[0]) + len(s.halves[1]) == staging // 2 * 2
     assert s.preloaded == {k.expert for k in cached} and all(mgr.table[h.key].pinned for h in s.held)
-    st = mgr.stats()
-    assert st.streamed["calls"] == 1
+    assert st.streamed["calls"] == st.streamed["whole"] == 1
     assert st.bytes_moved.get("cpu", 0) == sum(mgr.manifest.ref(k, "bf16").nbytes for k in read), "a cached expert was read again"
     assert st.hits["gpu"] == len(used) - len(read) and st.misses["gpu"] == len(read)
     assert all(pool.owner[s] is None for s in range(hot, pool.n_slots)), "reserved slots hold no cache"
@@ -486,6 +490,7 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
             assert all(mgr.table[ExpertKey(layer, e)].slot is None for e in r)
         mgr.whole_calls = True
     mgr.reset_stats()
+    mgr.UNSETTLED_CALLS = 2  # a whole call counts the landed ones before it once two wait
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -495,9 +500,11 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
     finally:
         if device.type == "cuda":
             torch.cuda.set_sync_debug_mode("default")
-    # each call counts the calls before it whose bounds have landed (on the CPU, all of them); the last waits
+    # a call that finds two waiting counts those whose bounds have landed (on the CPU, all of them)
     settled = len(calls) - len(mgr.unsettled)
     assert 0 <= settled < len(calls) and sum(mgr.stats_.hits.values()) == sum(map(len, used[:settled])), "counted before settling"
+    if device.type == "cpu":
+        assert settled == (2 if len(calls) == 3 else 0), (len(calls), settled)
     s = mgr.stats()
     assert not mgr.unsettled
     assert s.streamed["whole"] == s.streamed["calls"] == len(calls) and s.streamed["unused"] == 0
@@ -607,3 +614,41 @@ def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(packed_fact
     assert order == layers * 2 and not mgr.unsettled and all(g.landed for g in gates)
     assert any(len(s.parts) % 2 for s in streams[:-1]), "some call must end its parts in the first half"
     assert integ  # the integration path calls settle before any call that waits (test_whole_layer_calls_run...)
+
+
+def test_whole_layer_calls_need_long_calls_within_the_row_cap(packed_factory):
+    """A whole-layer call needs more rows than a host-routed call and at most WHOLE_LAYER_ROWS,
+    a call long enough that uniform routing would use every expert but with chance 1e-3, and
+    neither generate's decode stage, a recorded routing trace, nor the switch off."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16"), device="cpu", progress=False)
+    mgr = manager_of(model)
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+    assert mgr.whole_layer(layer, 64, 2)
+    assert not mgr.whole_layer(layer, 32, 2), "64 rows: routed on the host"
+    assert mgr.long_call(layer, 25, 2) and not mgr.long_call(layer, 24, 2)  # 0.75^25 <= 1e-3 < 0.75^24
+    assert mgr.whole_layer(layer, 40, 2) and mgr.long_call(layer, 40, 2)
+    mgr.WHOLE_LAYER_ROWS = 127
+    assert not mgr.whole_layer(layer, 64, 2), "128 rows over the cap"
+    mgr.WHOLE_LAYER_ROWS = 128
+    assert mgr.whole_layer(layer, 64, 2)
+    for attr, value in (("decoding", True), ("recorded", []), ("whole_calls", False), ("streamed_calls", False)):
+        old = getattr(mgr, attr)
+        setattr(mgr, attr, value)
+        assert not mgr.whole_layer(layer, 64, 2), attr
+        setattr(mgr, attr, old)
+
+
+def test_a_whole_layer_call_runs_its_held_experts_after_parts_0_and_1(packed_factory):
+    """The held experts' kernels follow parts 0 and 1 (read first, during the layer before), so
+    part 2's reads, which wait for part 0's kernels, run while they do."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16"), device="cpu", progress=False)
+    mgr = manager_of(model)
+    layer, _, mod, x, idx, w = next(c for c in _calls(model, 64, seed=5) if c[0] not in mgr.static_maps)
+    order = []
+    end_part, wait_all = mgr.end_part, mgr.wait_all
+    mgr.end_part = lambda s, p: order.append(p) or end_part(s, p)
+    mgr.wait_all = lambda held: order.append("held") or wait_all(held)
+    with torch.no_grad():
+        mod(x, idx, w)
+    assert mgr.stats().streamed["whole"] == 1
+    assert len(order) > 3 and order[:3] == [0, 1, "held"] and order[3:] == list(range(2, len(order) - 1))
