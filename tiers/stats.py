@@ -126,7 +126,7 @@ class StatsCollector:
     streamed_calls: int = 0  # layer calls streamed part by part (tiers.streamed)
     streamed_parts: int = 0  # their parts of misses
     whole_calls: int = 0  # of those, calls that read every warm expert of their layer without a sync
-    unused_reads: int = 0  # experts such calls read (or took from the cache) that no row was routed to
+    unused_reads: int = 0  # experts such calls read from the warm pool that no row was routed to
     unused_bytes: int = 0  # ... and the bytes those reads moved
     _pending: list[tuple[str, Any, Any]] = field(default_factory=list)
 

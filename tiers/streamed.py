@@ -26,8 +26,9 @@ cached expert used in place leaves the cache, and each half goes back empty, wit
 recorded after its last part's kernels, when the call ends. Misses on disk leave the
 call to the general path, which reads them on the reader threads.
 
-Whole-layer calls (``whole=True``): a call so long that every expert of its layer is all but
-certain to be routed to (a prompt's prefill) need not wait for its routing on the host. Every
+Whole-layer calls (``whole=(tokens, top_k)``): a call so long that uniform routing would route
+to every expert of its layer but with a tiny chance (a prompt's prefill), at a layer whose last
+such call used nearly all its warm experts, need not wait for its routing on the host. Every
 warm expert of the layer is read, in expert order; the rows are sorted and each part's row range
 found on the device; and the host queues the call without a sync, so it runs ahead into the
 next layers while the GPU computes, and the next layer's first reads queue behind this one's
@@ -287,8 +288,8 @@ class StreamedCalls:
         than a host-routed call and few enough for its gathers, a long call, and the layer's last
         long call used at least ``WHOLE_LAYER_USED`` of its warm experts (``used_share``; none
         yet: taken as all). Real routing is not uniform: a random-weight model's router sends a
-        prompt's 2048 tokens to about 40% of Qwen3-30B-A3B's experts, and reading the rest too
-        would move 2.5 times the bytes."""
+        prompt's 2048 tokens to about 40% of Qwen3-30B-A3B's warm experts per layer, and reading
+        them all moved 2.5 times the bytes (``bench-qwen3_moe-run17-ungated.md``)."""
         if not (self.whole_calls and self.streamed_calls) or self.recorded is not None or self.decoding:
             return False
         rows = tokens * top_k
@@ -333,8 +334,9 @@ class StreamedCalls:
 
     def _count_whole(self, s: Stream) -> None:
         """What a streamed call counts at once, for a settled whole-layer call: the cache policy's
-        visit and lookups, the rebalancer's routing, the hits, the prediction's score; and the
-        experts it read (or took from the cache) that no row was routed to."""
+        visit and lookups, the rebalancer's routing, the hits, the prediction's score; the
+        experts it read that no row was routed to; and, as waste, read-aheads it took from the
+        cache unused."""
         w, layer = s.whole, s.layer
         at = w.bounds.tolist()
         used = sorted(e for e, i in w.ends if at[i] > at[i - 1])

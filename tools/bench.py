@@ -305,7 +305,7 @@ def run(args) -> dict:
         if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
             entry = next(iter(read_manifest(packed).layers.values()))
             transit = entry.blobs[precision].stride if precision != "bf16" else 0
-            n = 2 * top_k if slots == "auto" else slots  # what auto asks for
+            n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it may take more for a streamed part's bytes)
             gpu = {"budget": n * (entry.layout.nbytes() + transit), "staging_slots": n}
         cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
