@@ -435,14 +435,7 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
             outs.append(_run_windows(proxy, xs[row : row + n], windows[i], offsets[i], None if slot_ids is None else slot_ids[row : row + n]))
             row += n
 
-        mgr.wait_all(s.held)
-        run(0)
-        for p in range(len(s.parts)):
-            if 0 < p < len(s.parts) - 1:
-                mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
-            mgr.wait_part(s, p)
-            run(p + 1)
-            mgr.end_part(s, p)
+        _run_parts(mgr, s, run, held_after=-1)
         y = (outs[0] if len(outs) == 1 else torch.cat(outs)) * top_k_weights.reshape(-1)[order].unsqueeze(-1)  # [routed, H]
         out = torch.zeros(top_k_index.numel(), y.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, order, y)  # [T*k, H]
         return out.view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)
@@ -455,6 +448,24 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
             _prefetch(binding, limit, direct=mgr.stream_direct)
         else:  # no router predictions: the next layer in expert order, if this call is long enough
             mgr.stage_ahead(binding.layer, hidden_states.shape[0], top_k_index.shape[-1], limit)
+
+
+def _run_parts(mgr: TierManager, s, run, held_after: int) -> None:
+    """Queue a streamed call's kernels, ``run(g)`` for group ``g`` (0: the held experts, p + 1:
+    part p): part p + 1's reads are queued into the other half before part p's kernels, which
+    wait for part p's reads; the held experts' kernels follow part ``held_after`` (-1: first)."""
+    if held_after < 0:
+        mgr.wait_all(s.held)
+        run(0)
+    for p in range(len(s.parts)):
+        if 0 < p < len(s.parts) - 1:
+            mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
+        mgr.wait_part(s, p)
+        run(p + 1)
+        mgr.end_part(s, p)
+        if p == held_after:
+            mgr.wait_all(s.held)
+            run(0)
 
 
 def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -555,15 +566,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
                                  None if slot_ids is None else slot_ids[j, :c])
                 out.index_copy_(0, dest[j, :c], y * weights[j, :c].unsqueeze(-1))
 
-        for p in range(len(s.parts)):
-            if 0 < p < len(s.parts) - 1:
-                mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
-            mgr.wait_part(s, p)
-            run(p + 1)
-            mgr.end_part(s, p)
-            if p == min(1, len(s.parts) - 1):
-                mgr.wait_all(s.held)
-                run(0)
+        _run_parts(mgr, s, run, held_after=min(1, len(s.parts) - 1))
         done = True
         return out[:rows_n].view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
     finally:
