@@ -39,7 +39,7 @@ class TierSize:
 class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
-    staging_slots: int | str = "auto"  # GPU slots for misses, inside the budget; auto: 2 x top-k in at most half the budget
+    staging_slots: int | str = "auto"  # GPU slots for misses, inside the budget; auto: 2 x top-k (up to 4 x for 64 MiB parts) in at most half the budget
     cache: str = "markov"  # which staging slot a miss takes: markov (layer-aware next use, per-state chances), forecast, lru or lfu
     lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)

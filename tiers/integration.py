@@ -406,17 +406,9 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
         for p in range(min(2, len(s.parts))):
             mgr.stream_part(s, p)
         n_slots, k = s.pool.n_slots, top_k_index.shape[-1]
-        key_of = [STREAM_KEY_END] * (self.num_experts + 1)
-        groups = [[(h.slot, counts[h.key.expert]) for h in s.held]]
-        for h in s.held:
-            key_of[h.key.expert] = h.slot
-        for p, part in enumerate(s.parts):
-            slots = s.slots(p)
-            groups.append([(slot, counts[e]) for e, slot in zip(part, slots)])
-            for e, slot in zip(part, slots):
-                key_of[e] = (p + 1) * n_slots + slot
+        groups, key_of = _stream_keys(s, self.num_experts)
         # every part's windows from the host-side counts, their offsets uploaded with the keys
-        windows = [_windows(sorted((slot, n) for slot, n in g if n)) for g in groups]
+        windows = [_windows(sorted((slot, counts[e]) for slot, e in g if counts[e])) for g in groups]
         key_map, *offsets = mgr.upload_int_lists([key_of] + [[o for w in ws for o in w["offs"]] for ws in windows])
         keys = key_map[top_k_index.reshape(-1)]  # [T*k]
         sorted_keys, order = torch.sort(keys, stable=True)
@@ -484,10 +476,10 @@ def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
 class _WholePlan:
     """A whole-layer call's plan, made on the host from its slots alone (no routing).
 
-    Every expert's rows get the sort key ``group * n_slots + slot`` (group 0: the held experts;
-    group p + 1: part p). Each group's slots split into windows, one per grouped GEMM; a window's
-    bounds are the keys of its first slot and one past each of its slots, so one ``searchsorted``
-    of them in the sorted keys gives every window's first row and per-slot row ends."""
+    Every expert's rows get ``_stream_keys``' sort key. Each group's slots split into windows,
+    one per grouped GEMM; a window's bounds are the keys of its first slot and one past each of
+    its slots, so one ``searchsorted`` of them in the sorted keys gives every window's first row
+    and per-slot row ends."""
 
     key_of: list[int]  # expert id (sentinel included) -> sort key
     segments: list[tuple[int, int, int, int]]  # (group, lo, hi, index of its first bound), in group order
@@ -496,15 +488,25 @@ class _WholePlan:
     ends: list[tuple[int, int]]  # (expert, index of the bound its rows end at)
 
 
+def _stream_keys(s, num_experts: int) -> tuple[list[list[tuple[int, int]]], list[int]]:
+    """A streamed call's groups of (slot, expert) (group 0: the held experts; group p + 1: part
+    p), and each expert id's sort key ``group * n_slots + slot`` (sentinel and experts outside
+    the call: ``STREAM_KEY_END``)."""
+    n_slots = s.pool.n_slots
+    groups = [[(h.slot, h.key.expert) for h in s.held]] + [list(zip(s.slots(p), part)) for p, part in enumerate(s.parts)]
+    key_of = [STREAM_KEY_END] * (num_experts + 1)
+    for g, pairs in enumerate(groups):
+        for slot, e in pairs:
+            key_of[e] = g * n_slots + slot
+    return groups, key_of
+
+
 def _whole_plan(s, num_experts: int) -> _WholePlan:
     n_slots = s.pool.n_slots
-    key_of = [STREAM_KEY_END] * (num_experts + 1)
-    groups = [[(h.slot, h.key.expert) for h in s.held]] + [list(zip(s.slots(p), part)) for p, part in enumerate(s.parts)]
+    groups, key_of = _stream_keys(s, num_experts)
     segments, bounds, base, ends = [], [], [], []
     for g, pairs in enumerate(groups):
         expert_at = dict(pairs)  # slot -> expert
-        for slot, e in pairs:
-            key_of[e] = g * n_slots + slot
         for lo, hi in _slot_runs(sorted(expert_at)):
             first = len(bounds)
             segments.append((g, lo, hi, first))

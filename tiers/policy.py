@@ -124,7 +124,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest) -> Placement:
     else:
         per_slot = sum(slot_bytes[Ls[0]] + transit(Ls[0]) for Ls in groups_by_sig.values())  # one slot in every group
         n_staging = cfg.gpu.staging_slots
-        if n_staging == "auto":  # 2 x top-k (a decode call's misses fit half of them), in at most half the budget
+        if n_staging == "auto":  # 2 x top-k (a decode call's misses fit half of them) or up to 4 x for a part's bytes, in at most half the budget
             k = top_k(manifest)
             moved = min(transit(Ls[0]) or slot_bytes[Ls[0]] for Ls in groups_by_sig.values())  # an expert's bytes up
             n_staging = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
