@@ -16,24 +16,15 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from tools.measure import event_seconds  # noqa: E402
+
 
 def device_ms(fn, reps: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return event_seconds(fn, reps) * 1e3
 
 
 def main() -> int:

@@ -9,15 +9,22 @@ result against the copy path, and the host time of one launch.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import mmap
-import statistics
-import time
+import os
+import sys
 
-import torch
-import triton
-import triton.language as tl
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import mmap  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tools.measure import event_seconds  # noqa: E402
 
 SHAPES = {  # name -> ((gate_up rows, cols), (down rows, cols))
     "qwen3_moe": ((1536, 2048), (2048, 768)),
@@ -89,20 +96,7 @@ def main() -> None:
                         sc = transit[s, s_off : s_off + r * 4].view(torch.float32).view(r, 1)
                         torch.mul(q, sc, out=slab[s])
 
-            def timed(fn, reps=10):
-                fn()
-                torch.cuda.synchronize()
-                ts = []
-                for _ in range(reps):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    fn()
-                    b.record()
-                    b.synchronize()
-                    ts.append(a.elapsed_time(b) / 1e3)
-                return statistics.median(ts)
-
-            t_engine = timed(engine)
+            t_engine = event_seconds(engine, 10)
             ref = [slab[slot_ids.to(dev)].clone() for slab in slabs]
             row = {"shape": name, "experts": n, "bytes": nbytes, "bound_s": nbytes / 55e9,
                    "engine_s": t_engine, "engine_gbps": nbytes / t_engine / 1e9, "fused": []}
@@ -110,7 +104,7 @@ def main() -> None:
                 for warps in (4, 8):
                     for slab in slabs:
                         slab.zero_()
-                    t = timed(lambda: fused(block, warps))
+                    t = event_seconds(lambda: fused(block, warps), 10)
                     exact = all(torch.equal(slab[slot_ids.to(dev)], r_) for slab, r_ in zip(slabs, ref))
                     row["fused"].append({"block": block, "warps": warps, "s": t, "gbps": nbytes / t / 1e9, "exact": exact})
             res["runs"].append(row)

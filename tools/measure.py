@@ -70,6 +70,22 @@ def timed(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
+def event_seconds(fn, reps: int) -> float:
+    """Median seconds of ``reps`` calls on the current CUDA stream, each between two timing events,
+    after one warm-up: device time, whatever the host does meanwhile."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
 def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
     """(generate 1 + tokens) - (generate 1), per token: prefill of the prompt cancels out."""
     kw = dict(do_sample=False, pad_token_id=0)
