@@ -310,7 +310,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self.whole_calls = True  # ... and the longest read their whole layer without a sync (tiers.streamed)
         self.unsettled: deque = deque()  # whole-layer calls not yet counted, in call order
         self.used_share: dict[int, float] = {}  # per layer: the share of its warm experts its last long call used
-        self.last_half: dict[int, set[int]] = {}  # per pool: the slots of the last streamed call's last part
+        self.last_parts: dict[int, dict[int, int]] = {}  # per pool: slot -> the last part of the last streamed call that used it
 
     # -- load time -----------------------------------------------------------------------
     def _load(self, progress: bool) -> None:

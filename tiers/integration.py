@@ -401,9 +401,9 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
     if s is None:
         return None
     try:
-        # parts 0 and 1 read into the two halves, which only wait for the call's start: queued
+        # the first parts read into their buffers, which only wait for the call's start: queued
         # first, so the copy engine runs while the host builds the sort keys below
-        for p in range(min(2, len(s.parts))):
+        for p in range(min(len(s.buffers), len(s.parts))):
             mgr.stream_part(s, p)
         n_slots, k = s.pool.n_slots, top_k_index.shape[-1]
         groups, key_of = _stream_keys(s, self.num_experts)
@@ -444,14 +444,16 @@ def _grouped_streamed(self, binding: LayerBinding, hidden_states, top_k_index, t
 
 def _run_parts(mgr: TierManager, s, run, held_after: int) -> None:
     """Queue a streamed call's kernels, ``run(g)`` for group ``g`` (0: the held experts, p + 1:
-    part p): part p + 1's reads are queued into the other half before part p's kernels, which
-    wait for part p's reads; the held experts' kernels follow part ``held_after`` (-1: first)."""
+    part p), the reads of its first parts (one per buffer) already queued: before part p's
+    kernels, which wait for part p's reads, part p + n - 1's reads are queued into the buffer of
+    part p - 1 (n buffers); the held experts' kernels follow part ``held_after`` (-1: first)."""
+    n = len(s.buffers)
     if held_after < 0:
         mgr.wait_all(s.held)
         run(0)
     for p in range(len(s.parts)):
-        if 0 < p < len(s.parts) - 1:
-            mgr.stream_part(s, p + 1)  # into the other half, after part p - 1's kernels
+        if p > 0 and p + n - 1 < len(s.parts):
+            mgr.stream_part(s, p + n - 1)  # into part p - 1's buffer, after its kernels
         mgr.wait_part(s, p)
         run(p + 1)
         mgr.end_part(s, p)
@@ -535,7 +537,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
     plan = _whole_plan(s, self.num_experts)
     done = False
     try:
-        for p in range(min(2, len(s.parts))):
+        for p in range(min(len(s.buffers), len(s.parts))):
             mgr.stream_part(s, p)
         n_slots, rows_n = s.pool.n_slots, T * k
         firsts = [f for *_, f in plan.segments]

@@ -1,28 +1,28 @@
 """Streamed calls: a long layer call (a prompt's prefill) whose warm misses outnumber what half
 the free staging slots hold, read part by part into reserved slots, double buffered.
 
-Owns: the reservation of a pool's unheld staging slots for one call, the reads of each part's
-misses into one half of them, and the events that order those reads against the part before
-last's kernels. A mixin of the tier manager, like ``Prefetcher`` and ``DirectDecoder``.
+Owns: the reservation of a pool's unheld staging slots for one call, split into buffers (two),
+the reads of each part's misses into one buffer, and the events that order those reads against
+the kernels of the part that last used that buffer. A mixin of the tier manager, like ``Prefetcher`` and ``DirectDecoder``.
 
 Why: the general path for such a call (``integration._grouped_in_parts``) claims each part's
 slots through the cache policy, stages each miss, and maps and sorts the part's rows on the
 device, all on the host, part after part. On the H200, a part of 8 Qwen3-30B-A3B experts
 (INT8, 38 MB, 0.77 ms of reading) took about 1.9 ms of host work under the profiler, so the
 reads waited on the host. Here the host plans the whole call once: the experts in hot slots
-run first, the call's experts cached in the reserved slots open parts 0 and 1 where they lie
-(no read), the misses fill those parts and go on in parts of half the reserved slots, every row gets
+run first, the call's experts cached in the reserved slots open the first parts where they lie
+(no read), the misses fill those parts and go on in parts of a buffer each, every row gets
 its part and slot as one sort key (one upload, one sort on the device), and each part then
 costs its copies and its grouped GEMMs: a copy per bf16 expert, or for small INT8 experts one
 copy per run of blobs back to back in the host pool and one stacked dequantization. Part ``p + 1``'s reads are
-queued before part ``p``'s kernels, into the other half, after part ``p - 1``'s kernels.
+queued before part ``p``'s kernels, into the other buffer, after part ``p - 1``'s kernels.
 The copy engine reads, not the SMs (``stream_direct`` off): the GEMMs of a long call need the
 SMs. On the H200 a 6-layer Qwen3 prefill through direct stacks took 78 and 82 ms in bf16
 against 64 and 68 through the copy engine, in two runs; in INT8 46 against 42, then 64 against
 66 (``bench/results/prefill_ab-qwen3_moe*.json``).
 
 Reserved slots hold no cache: a miss is read into a slot the residency table never sees, a
-cached expert used in place leaves the cache, and each half goes back empty, with the event
+cached expert used in place leaves the cache, and each buffer goes back empty, with the event
 recorded after its last part's kernels, when the call ends. Misses on disk leave the
 call to the general path, which reads them on the reader threads.
 
@@ -32,7 +32,8 @@ such call used nearly all its warm experts, need not wait for its routing on the
 warm expert of the layer is read, in expert order; the rows are sorted and each part's row range
 found on the device; and the host queues the call without a sync, so it runs ahead into the
 next layers while the GPU computes, and the next layer's first reads queue behind this one's
-(each half's first reads wait on its slots' last reads, not on the whole compute stream). The
+(each buffer's first reads wait on its slots' last reads, not on the whole compute stream; the
+buffer the last parts of the call before used goes last). The
 lookups the call made are counted later, in call order, once its row bounds have reached the
 host (``settle``); experts read but routed no row are counted as read in vain.
 """
@@ -55,11 +56,11 @@ class Stream:
     layer: int
     pool: Any
     held: list  # Handles of the experts resident in hot or otherwise held slots (run first)
-    parts: list[list[int]]  # the call's other experts, part p in slots of halves[p % 2]
+    parts: list[list[int]]  # the call's other experts, part p in slots of buffers[p % len(buffers)]
     part_slots: list[list[int]]  # each part's slots, in the part's order
-    halves: tuple[list[int], list[int]]  # the reserved slots
-    preloaded: frozenset[int]  # experts of parts 0 and 1 whose bytes are in their slot already (no read)
-    freed: list = field(default_factory=list)  # per half: the events its next reads wait on (its last readers' kernels)
+    buffers: tuple[list[int], ...]  # the reserved slots, split into two buffers (three for a whole-layer call)
+    preloaded: frozenset[int]  # experts of the first parts whose bytes are in their slot already (no read)
+    freed: list = field(default_factory=list)  # per buffer: the events its next reads wait on (its last readers' kernels)
     ended: int = 0  # parts whose kernels are queued (end_part)
     whole: Whole | None = None  # a whole-layer call's lookups, counted when settled
 
@@ -86,19 +87,24 @@ class StreamedCalls:
     """Mixed into ``TierManager``: uses its table, pools, cache, staging helpers, streams and stats."""
 
     STREAM_AHEAD_COVERAGE = 0.9  # expected share of a layer's experts a call must hit for stage_ahead
+    # A whole-layer call's reserved slots are split into this many buffers (a waiting call's: two).
+    # Three let the next layer's second part read during a call's tail, but cost a third more parts
+    # of host work: on the H200 a Qwen3-30B-A3B prefill was slower with three, 1.25x and 1.48x its
+    # bound against 1.21x and 1.35x with two (prefill_split-qwen3_moe-buffers.json).
+    WHOLE_BUFFERS = 2
 
     def begin_stream(self, layer: int, experts: list[int], whole: tuple[int, int] | None = None) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the
-        call does not qualify (a miss on disk, a routing trace recorded, fewer than two free
-        staging slots, or misses that fit half of them), holding nothing then. ``whole``: the
+        call does not qualify (a miss on disk, a routing trace recorded, fewer free staging slots
+        than buffers, or misses that fit one buffer), holding nothing then. ``whole``: the
         tokens and top-k of a whole-layer call (``experts`` is every expert of the layer), whose
         lookups are counted when it is settled.
 
-        Every unheld staging slot is reserved and split into two halves. The call's experts
-        cached in those slots (read ahead by lookahead, or left by an earlier call) stay where
-        they are, without a read: they open parts 0 and 1 in the half their slot is in, and leave
-        the cache (reserved slots hold none). The misses fill those parts' other slots, then go in
-        parts of a half each. Experts in hot or otherwise held slots are held and run first."""
+        Every unheld staging slot is reserved and split into buffers: two, or ``WHOLE_BUFFERS``
+        for a whole-layer call. The call's experts cached in those slots (read ahead by
+        lookahead, or left by an earlier call) stay where they are, without a read: they open
+        the first parts in the buffer their slot is in, and leave the cache (reserved slots hold
+        none). The misses fill those parts' other slots, then go in parts of a buffer each. Experts in hot or otherwise held slots are held and run first."""
         if not self.streamed_calls or self.recorded is not None:
             return None
         self.drain()  # read-aheads hold their slots until they land (or fail, leaving their expert out)
@@ -108,40 +114,46 @@ class StreamedCalls:
             return None
         hot = self.hot_count[id(pool)]
         free = [s for s in range(hot, pool.n_slots) if pool.readers[s] == 0]
-        half = len(free) // 2
+        n = self.WHOLE_BUFFERS if whole else 2
+        size = len(free) // n
         cached = {r.slot: e for e, r in zip(experts, rows) if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0}
         misses = [e for e, r in zip(experts, rows) if r.slot is None]
-        if half < 1 or len(misses) <= half:
+        if size < 1 or len(misses) <= size:
             return None
-        # the cached experts' slots first, so they fall in as few halves as the count allows
-        ordered = sorted(free, key=lambda s: (s not in cached, s))[: 2 * half]
-        halves = (sorted(ordered[:half]), sorted(ordered[half:]))
-        if whole and set(halves[0]) & self.last_half.get(id(pool), set()):
-            # part 0 reads first: into the half the last streamed call's last part did not use,
-            # so those reads need not wait for that part's kernels (the call's tail)
-            halves = (halves[1], halves[0])
-        misses += [e for slot, e in cached.items() if slot not in ordered]  # an odd slot out: read again
+        # the cached experts' slots first, so they fall in as few buffers as the count allows;
+        # every free slot is reserved, in buffers whose sizes differ by one at most
+        ordered = sorted(free, key=lambda s: (s not in cached, s))
+        cut = [len(ordered) * i // n for i in range(n + 1)]
+        buffers = [sorted(ordered[cut[i] : cut[i + 1]]) for i in range(n)]
+        if whole:
+            # the first parts read first: into the buffers the last streamed call's last parts did
+            # not use, so those reads need not wait for those parts' kernels (the call's tail)
+            last = self.last_parts.get(id(pool), {})
+            buffers.sort(key=lambda b: max(last.get(s, -1) for s in b))
         resident = [ExpertKey(layer, e) for e, r in zip(experts, rows) if r.slot is not None and r.slot not in cached]
         w = Whole(*whole, self.predicted.pop(layer, None)) if whole else None
         held = [self.hold_resident(key) for key in resident] if w else [self.try_acquire(key) for key in resident]
         compute = self.streams.current()
         parts, part_slots = [], []
-        for h in halves:
-            pre = [s for s in h if s in cached]
+        for b in buffers:
+            pre = [s for s in b if s in cached]
             for s in pre:
                 self._take_cached(pool, s, w)
-            rest = [s for s in h if s not in cached][: len(misses)]
+            rest = [s for s in b if s not in cached][: len(misses)]
             parts.append([cached[s] for s in pre] + misses[: len(rest)])
             part_slots.append(pre + rest)
             misses = misses[len(rest) :]
+        while not parts[-1]:
+            parts.pop()  # buffers left empty (an empty part between two others runs nothing)
+            part_slots.pop()
         while misses:
-            h = halves[len(parts) % 2]
-            parts.append(misses[: len(h)])
-            part_slots.append(h[: len(parts[-1])])
-            misses = misses[len(h) :]
-        # a whole-layer call's first reads wait on its halves' last readers only, so they may run
+            b = buffers[len(parts) % n]
+            parts.append(misses[: len(b)])
+            part_slots.append(b[: len(parts[-1])])
+            misses = misses[len(b) :]
+        # a whole-layer call's first reads wait on its buffers' last readers only, so they may run
         # while the kernels queued before them (the layer's attention) do
-        freed = [self._last_reads(pool, h) for h in halves] if w else None
+        freed = [self._last_reads(pool, b) for b in buffers] if w else None
         for s in ordered:
             if s in cached:
                 pool.hold(s)  # its expert, used in place, keeps the ready event its part waits on
@@ -150,11 +162,11 @@ class StreamedCalls:
         if freed is None:
             start = self.streams.event()
             start.record(compute)  # after the slots' last readers and pending writes: the first reads wait on it
-            freed = [[start], [start]]
-        assert all(parts), "more misses than half the slots: parts 0 and 1 both serve some"
+            freed = [[start] for _ in buffers]
+        assert len(parts) >= 2, "more misses than one buffer holds: at least two parts"
         self.stats_.streamed_calls += 1
         self.stats_.whole_calls += bool(w)
-        return Stream(layer, pool, held, parts, part_slots, halves, frozenset(cached[s] for s in ordered if s in cached), freed, whole=w)
+        return Stream(layer, pool, held, parts, part_slots, tuple(buffers), frozenset(cached[s] for s in ordered if s in cached), freed, whole=w)
 
     @staticmethod
     def _last_reads(pool: Any, slots: list[int]) -> list:
@@ -200,13 +212,13 @@ class StreamedCalls:
         return self.prefetch(nxt, [e for e, r in enumerate(rows) if r.slot is None and r.home is Home.CPU], limit, direct=self.stream_direct)
 
     def stream_part(self, s: Stream, p: int) -> None:
-        """Queue the reads of part ``p``'s misses into its half, after that half's last kernels."""
+        """Queue the reads of part ``p``'s misses into its buffer, after that buffer's last kernels."""
         pool, lru = s.pool, self.cache[id(s.pool)]
         reads = [(e, slot) for e, slot in zip(s.parts[p], s.slots(p)) if e not in s.preloaded]
         self.stats_.streamed_parts += 1
         if not reads:
             return
-        for ev in s.freed[p % 2]:
+        for ev in s.freed[p % len(s.buffers)]:
             self.copy_stream.wait_event(ev)
         assert self._batch is None, "a streamed part is read inside another staging batch"
         with self.staging():  # one batch: the part's stacks and ready events
@@ -245,26 +257,29 @@ class StreamedCalls:
         self._wait_latest([w for w in (pool.take_ready(slot) for slot in slots) if w is not None])
 
     def end_part(self, s: Stream, p: int) -> None:
-        """Part ``p``'s kernels are queued: its half may be read into again after them."""
+        """Part ``p``'s kernels are queued: its buffer may be read into again after them."""
         ev = self.streams.event()
         ev.record(self.streams.current())
-        s.freed[p % 2] = [ev]
+        s.freed[p % len(s.buffers)] = [ev]
         s.ended = p + 1
 
     def end_stream(self, s: Stream) -> None:
         """The call's kernels are queued: give back the reserved slots (empty) and the held
-        experts. Each half's last read is its last part's kernels, so a read into the half the
-        last part did not use need not wait for that part; a call that failed on the way gives
-        every slot back after whatever it queued, once a part it never waited on has landed."""
+        experts. Each buffer's last read is its last part's kernels, so a read into a buffer the
+        last parts did not use need not wait for them (a buffer no part used keeps its slots'
+        last reads); a call that failed on the way gives every slot back after whatever it
+        queued, once a part it never waited on has landed."""
         if s.ended < len(s.parts):
-            self._wait_slots(s.pool, s.halves[0] + s.halves[1])
+            self._wait_slots(s.pool, [slot for b in s.buffers for slot in b])
             ev = self.streams.event()
             ev.record(self.streams.current())
-            s.freed = [[ev], [ev]]
-        for half, (ev,) in zip(s.halves, s.freed):
-            for slot in half:
+            s.freed = [[ev] for _ in s.buffers]
+        for i, b in enumerate(s.buffers):
+            ev = s.freed[i][0] if i < len(s.parts) or s.ended < len(s.parts) else None
+            for slot in b:
                 s.pool.end_read_at(slot, ev)
-        self.last_half[id(s.pool)] = set(s.slots(len(s.parts) - 1))
+        # per slot: the last part that used it (a later one frees it later)
+        self.last_parts[id(s.pool)] = {slot: p for p in range(len(s.parts)) for slot in s.slots(p)}
         self.release_all(s.held)
 
     # -- whole-layer calls -------------------------------------------------------------------

@@ -133,7 +133,7 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
     mgr._queue_read = lambda b, key, pool, slot, *a, **kw: rec.order.append(("read", slot, key)) or reads(b, key, pool, slot, *a, **kw)
     s = mgr.begin_stream(layer, list(range(8)))
     assert s is not None and len(s.parts) >= 3, "the test needs three parts or more"
-    assert not set(s.halves[0]) & set(s.halves[1])
+    assert len(s.buffers) == 2 and not set(s.buffers[0]) & set(s.buffers[1])
     assert s.preloaded == set(warm[-ahead:] if ahead else []) and s.preloaded <= set(s.parts[0] + s.parts[1])
     assert sorted(e for part in s.parts for e in part) == warm and not s.held or all(mgr.table[h.key].pinned for h in s.held)
     kernels = {}
@@ -169,11 +169,11 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
         waits = [o[2] for o in order[at[-1]:kernels[p]] if o[0] == "wait" and o[1] is compute]
         recorded_after = {id(o[2]) for o in order[at[-1]:kernels[p]] if o[0] == "record"}
         assert any(id(ev) in recorded_after for ev in waits), f"part {p}: kernels do not wait for its reads"
-    # each half goes back with the event recorded right after its last part's kernels
-    for h, half in enumerate(s.halves):
+    # each buffer goes back with the event recorded right after its last part's kernels
+    for h, half in enumerate(s.buffers):
         last = max(p for p in range(len(s.parts)) if p % 2 == h)
         after = next(o[2] for o in order[kernels[last]:] if o[0] == "record" and o[1] is compute)
-        assert all(pool.last_read[slot] is after for slot in half), f"half {h}"
+        assert all(pool.last_read[slot] is after for slot in half), f"buffer {h}"
     assert all(r == 0 for p_ in mgr.pools for r in p_.readers)
 
 
@@ -193,7 +193,7 @@ def test_a_streamed_call_that_fails_gives_its_slots_back_after_its_reads(packed_
     tail = rec.order[start:]
     waited = next(i for i, o in enumerate(tail) if o[0] == "wait" and o[1] is compute and id(o[2]) in read_events)
     ev = next(o[2] for o in tail[waited:] if o[0] == "record" and o[1] is compute)
-    assert all(pool.last_read[slot] is ev for slot in s.halves[0] + s.halves[1])
+    assert all(pool.last_read[slot] is ev for b in s.buffers for slot in b)
     assert all(r == 0 for r in pool.readers)
 
 
@@ -449,7 +449,8 @@ def test_a_call_whose_experts_fill_the_cache_streams_them_from_where_they_are(de
     st = mgr.stats()  # a whole-layer call counts here
     assert sorted(accesses) == sorted(k for k in used if not mgr.table[k].pinned), "the policy sees every lookup of a warm expert"
     s = plans[0]
-    assert s is not None and len(s.halves[0]) + len(s.halves[1]) == staging // 2 * 2
+    n = mgr.WHOLE_BUFFERS
+    assert s is not None and len(s.buffers) == n and sorted(sum(s.buffers, [])) == list(range(hot, pool.n_slots))
     assert s.preloaded == {k.expert for k in cached} and all(mgr.table[h.key].pinned for h in s.held)
     assert st.streamed["calls"] == st.streamed["whole"] == 1
     assert st.bytes_moved.get("cpu", 0) == sum(mgr.manifest.ref(k, "bf16").nbytes for k in read), "a cached expert was read again"
@@ -464,8 +465,9 @@ def _used(idx) -> list[int]:
     return sorted(set(idx.reshape(-1).tolist()))
 
 
+@pytest.mark.parametrize("buffers", [2, 3])
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, device, checkpoint_factory, packed_factory):
+def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, buffers, device, checkpoint_factory, packed_factory):
     """Calls long enough to route to every expert read their layer's every warm expert with no
     host sync (on CUDA, sync debug mode raises on one) and count nothing until settled; then
     each used expert is one lookup, a cpu hit where it was read, and the outputs equal
@@ -473,6 +475,7 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
     routing (INT8)."""
     model = tiers.load(packed_factory("qwen3_moe"), _cfg(precision), device=device, progress=False)
     mgr = manager_of(model)
+    mgr.WHOLE_BUFFERS = buffers
     calls = [c for c in _calls(model, 64, seed=11) if c[0] not in mgr.static_maps]
     assert calls and all(mgr.whole_layer(c[0], *c[4].shape) for c in calls)
     used = [_used(c[4].cpu()) for c in calls]
@@ -562,30 +565,37 @@ def test_a_whole_layer_call_counts_the_experts_it_read_in_vain(device, packed_fa
     assert mgr.used_share[layer] == 1.0 and mgr.whole_layer(layer, *idx2.shape)
 
 
-def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(packed_factory):
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(buffers, packed_factory):
     """Recording streams: ``settle(block=False)`` counts the calls whose bounds have landed, in
     order, and stops at the first that has not; a call that waits for its routing settles every
-    call before it first. A whole call's first reads into each half wait on that half's slots'
-    last reads, not on an event recorded after the kernels queued before the call."""
+    call before it first. A whole call's first reads into each buffer wait on that buffer's
+    slots' last reads, not on an event recorded after the kernels queued before the call; its
+    buffers go in the order the previous call's last parts used them (the earliest first)."""
     import tiers.integration as integ
     from test_engine import _recorded_manager
 
     mgr, rec, _ = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
+    mgr.WHOLE_BUFFERS = buffers
     layers = [L for L in sorted(mgr.manifest.layers) if L not in mgr.static_maps]
     order = []
     count = mgr._count_whole
     mgr._count_whole = lambda s: order.append(s.layer) or count(s)
-    streams = []
+    streams, reordered = [], []
     for i, L in enumerate(layers * 2):
-        # seven experts: three parts, the last in the first half, which the next call must not read into first
+        # seven or eight experts: parts that end in different buffers, which the next call must read into last
         s = mgr.begin_stream(L, list(range(7 if i % 2 == 0 else 8)), whole=(64, 2))
         assert s is not None and s.whole is not None
-        if streams:  # the halves' last reads are the previous call's last parts' events
+        if streams:  # the buffers are the previous call's, first the one its last kernels read first
             prev = streams[-1]
-            assert all(any(ev is e for e in prev.freed[0] + prev.freed[1]) for half in s.freed for ev in half) and all(s.freed)
-            # part 0 reads into the half the previous call's last part did not use
+            n = len(prev.buffers)
+            assert n == mgr.WHOLE_BUFFERS and sorted(s.buffers) == sorted(prev.buffers)
+            last = [max(p for p in range(len(prev.parts)) if p % n == prev.buffers.index(b)) for b in s.buffers]
+            assert last == sorted(last)
+            # each buffer's first reads wait on the event after the previous call's last part in it
+            assert all(s.freed[i] == [prev.freed[prev.buffers.index(b)][0]] for i, b in enumerate(s.buffers))
             assert not set(s.slots(0)) & set(prev.slots(len(prev.parts) - 1))
-            assert s.freed[0] == [prev.freed[(len(prev.parts) - 2) % 2][0]]
+            reordered.append(s.buffers != prev.buffers)
         for p in range(len(s.parts)):
             mgr.stream_part(s, p)
             mgr.wait_part(s, p)
@@ -612,8 +622,36 @@ def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(packed_fact
     assert order == layers[:1], "stops at the first call not landed"
     mgr.settle()
     assert order == layers * 2 and not mgr.unsettled and all(g.landed for g in gates)
-    assert any(len(s.parts) % 2 for s in streams[:-1]), "some call must end its parts in the first half"
+    assert any(reordered), "some call must end its parts in a buffer other than the last"
     assert integ  # the integration path calls settle before any call that waits (test_whole_layer_calls_run...)
+
+
+def test_a_buffer_no_part_used_keeps_its_slots_last_reads(packed_factory):
+    """A whole call with fewer parts than buffers: the slots of a buffer no part read into go
+    back unheld with the last reads they had (each its own), not an event of this call."""
+    from test_engine import _recorded_manager
+
+    mgr, rec, streams = _recorded_manager(packed_factory("qwen3_moe"), staging=4, cpu="bf16", cpu_share={"budget": "64MiB"})
+    mgr.WHOLE_BUFFERS = 3
+    layer = next(L for L in sorted(mgr.manifest.layers) if L not in mgr.static_maps)
+    pool = mgr.pool_of[layer]
+    hot = mgr.hot_count[id(pool)]
+    before = {}
+    for slot in range(hot, pool.n_slots):  # a distinct last read per slot
+        ev = streams.event()
+        ev.record(streams.current())
+        pool.last_read[slot] = before[slot] = ev
+    warm = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].pinned]
+    s = mgr.begin_stream(layer, warm[:2], whole=(64, 2))  # two misses: buffers of 1, 1 and 2 slots
+    assert s is not None and [len(b) for b in s.buffers] == [1, 1, 2] and len(s.parts) == 2
+    for p in range(len(s.parts)):
+        mgr.stream_part(s, p)
+        mgr.wait_part(s, p)
+        mgr.end_part(s, p)
+    mgr.end_stream(s)
+    assert all(pool.last_read[slot] is before[slot] for slot in s.buffers[2])
+    assert all(pool.last_read[slot] is s.freed[i][0] for i in range(2) for slot in s.buffers[i])
+    assert all(pool.readers[slot] == 0 for slot in range(hot, pool.n_slots))
 
 
 def test_whole_layer_calls_need_long_calls_within_the_row_cap(packed_factory):
