@@ -6,7 +6,8 @@
 A profiler slows the host about two-fold, which changes whether the copy engine waits on Python
 or Python on the GPU, so this measures with clocks alone. Each config is precision : staging
 slots : prefetch depth : GPU fraction (the rest warm), and optionally : whole (``on``: every long
-call reads its whole layer without a sync, ``off``: none does; by default as the engine decides);
+call reads its whole layer without a sync, ``off``: none does; ``auto``: as the engine decides,
+the default) and : buffers (how many buffers a whole-layer call splits its slots into);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -61,10 +62,12 @@ class Marks:
         self.cuda = cuda
         self.raw: list[tuple[str, int, float, object]] = []
         self.on = False
+        self.layer = 0  # the layer of the last mark
 
     def mark(self, what: str, layer: int, stream=None) -> None:
         if not self.on:
             return
+        self.layer = layer
         ev = None
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
@@ -196,6 +199,8 @@ def instrument(model, mgr, marks: Marks) -> list:
     wrap("wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
     wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
     wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
+    # the plan's upload (on the compute stream): does it wait behind the copy stream's reads?
+    wrap("upload_int_lists", before=lambda *a, **k: marks.mark("upload", marks.layer), after=lambda *a, **k: marks.mark("uploaded", marks.layer))
     if hasattr(mgr, "read_ahead"):  # the streamed read-ahead tried in prefill_split-qwen3_moe-ahead*.json
         wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
     return undo
@@ -247,13 +252,16 @@ def main() -> int:
     print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     for spec in args.configs.split(","):
-        precision, staging, depth, fraction, *whole = spec.split(":")
+        precision, staging, depth, fraction, *rest = spec.split(":")
+        whole, buffers = (rest + ["auto", ""])[:2]
         cfg = warm_config(precision, staging, depth, float(fraction))
         m = tiers.load(packed, cfg, device=device, progress=False)
-        if whole == ["on"]:
+        if whole == "on":
             manager_of(m).WHOLE_LAYER_USED = 0.0  # whatever share of its warm experts the last long call used
-        elif whole == ["off"]:
+        elif whole == "off":
             manager_of(m).whole_calls = False
+        if buffers:
+            manager_of(m).WHOLE_BUFFERS = int(buffers)
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
         loaded[spec] = (cfg, m, manager_of(m))
     reps = {spec: [] for spec in loaded}
@@ -284,6 +292,8 @@ def main() -> int:
             s = split(marks.resolved())
             s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
             s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}
+            # the marks themselves (what, layer, device ms from the first), for the last repetition
+            s["timeline"] = [(w, L, round(d, 3)) for w, L, _, d in marks.resolved()]
             reps[spec].append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
                                "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
     for spec, (cfg, m, mgr) in loaded.items():
@@ -291,12 +301,15 @@ def main() -> int:
         med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
         med["over_bound"] = med["prefill_s"] / med["bound_s"]
         med["prefetch"] = r[-1]["prefetch"]
+        med["timeline"] = r[-1]["timeline"]
+        for r_ in r:
+            del r_["timeline"]
         for part in ("median", "total", "host_steps_ms", "host_step_calls"):
             keys = sorted({k for x in r for k in x[part]})
             med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
         pool = mgr.pool_of[min(mgr.pool_of)]
         result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r}
-        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, dict)}), json.dumps(med["prefetch"]), flush=True)
+        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, (dict, list))}), json.dumps(med["prefetch"]), flush=True)
         for part in ("total", "median", "host_steps_ms", "host_step_calls"):
             print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
         mgr.close()
