@@ -3,7 +3,8 @@ the free staging slots hold, read part by part into reserved slots, double buffe
 
 Owns: the reservation of a pool's unheld staging slots for one call, split into buffers (two),
 the reads of each part's misses into one buffer, and the events that order those reads against
-the kernels of the part that last used that buffer. A mixin of the tier manager, like ``Prefetcher`` and ``DirectDecoder``.
+the kernels of the part that last used that buffer. A mixin of the tier manager, like
+``Prefetcher`` and ``DirectDecoder``.
 
 Why: the general path for such a call (``integration._grouped_in_parts``) claims each part's
 slots through the cache policy, stages each miss, and maps and sorts the part's rows on the
@@ -58,7 +59,7 @@ class Stream:
     held: list  # Handles of the experts resident in hot or otherwise held slots (run first)
     parts: list[list[int]]  # the call's other experts, part p in slots of buffers[p % len(buffers)]
     part_slots: list[list[int]]  # each part's slots, in the part's order
-    buffers: tuple[list[int], ...]  # the reserved slots, split into two buffers (three for a whole-layer call)
+    buffers: tuple[list[int], ...]  # the reserved slots: two buffers (WHOLE_BUFFERS for a whole-layer call)
     preloaded: frozenset[int]  # experts of the first parts whose bytes are in their slot already (no read)
     freed: list = field(default_factory=list)  # per buffer: the events its next reads wait on (its last readers' kernels)
     ended: int = 0  # parts whose kernels are queued (end_part)
@@ -104,7 +105,8 @@ class StreamedCalls:
         for a whole-layer call. The call's experts cached in those slots (read ahead by
         lookahead, or left by an earlier call) stay where they are, without a read: they open
         the first parts in the buffer their slot is in, and leave the cache (reserved slots hold
-        none). The misses fill those parts' other slots, then go in parts of a buffer each. Experts in hot or otherwise held slots are held and run first."""
+        none). The misses fill those parts' other slots, then go in parts of a buffer each.
+        Experts in hot or otherwise held slots are held and run first."""
         if not self.streamed_calls or self.recorded is not None:
             return None
         self.drain()  # read-aheads hold their slots until they land (or fail, leaving their expert out)
