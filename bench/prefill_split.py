@@ -253,7 +253,7 @@ def main() -> int:
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     for spec in args.configs.split(","):
         precision, staging, depth, fraction, *rest = spec.split(":")
-        whole, buffers = (rest + ["auto", ""])[:2]
+        whole, buffers = rest[0] if rest else "auto", rest[1] if len(rest) > 1 else ""
         cfg = warm_config(precision, staging, depth, float(fraction))
         m = tiers.load(packed, cfg, device=device, progress=False)
         if whole == "on":
