@@ -12,8 +12,8 @@ least ``n`` times (n = 1, 2, 4, ..., 32) with their precision (predicted and use
 recall (predicted and used / used) and the share of routed rows they cover.
 
 Why: reading a predicted expert ahead saves its read only when it is used, and a wrong one
-costs its bytes and a slot. Device-independent (it counts experts, it times nothing); on the
-CPU the real shapes take a few GB of memory and about a minute per 6 layers.
+costs its bytes and a slot. Device-independent (it counts experts, it times nothing); on a
+2-core CPU, 6 Qwen3-30B-A3B layers took about 7 GB of memory and a minute.
 """
 import os
 import sys
