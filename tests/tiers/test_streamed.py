@@ -626,6 +626,41 @@ def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(buffers, pa
     assert integ  # the integration path calls settle before any call that waits (test_whole_layer_calls_run...)
 
 
+@pytest.mark.parametrize("held_after", [-1, 1])
+@pytest.mark.parametrize("n_parts", [2, 3, 7])
+@pytest.mark.parametrize("buffers", [2, 3])
+def test_run_parts_reads_each_part_as_soon_as_its_buffer_is_free(buffers, n_parts, held_after):
+    """``_run_parts``' schedule, the first parts' reads queued by the caller: every part is read
+    once; part q's reads come after the kernels of part q - n (the last user of its buffer, n
+    buffers) and before the kernels of part q - n + 1, so the copy engine reads one part ahead of
+    each buffer's reuse; each part's kernels wait for its reads; the held experts run after
+    part ``held_after`` (-1: before every part)."""
+    from types import SimpleNamespace
+
+    from tiers.integration import _run_parts
+
+    log = []
+    mgr = SimpleNamespace(stream_part=lambda s, p: log.append(("read", p)), wait_part=lambda s, p: log.append(("wait", p)),
+                          end_part=lambda s, p: log.append(("end", p)), wait_all=lambda held: log.append(("held", None)))
+    s = SimpleNamespace(buffers=tuple([] for _ in range(buffers)), parts=[[q] for q in range(n_parts)], held=[])
+    for q in range(min(buffers, n_parts)):
+        mgr.stream_part(s, q)
+    held_after = min(held_after, n_parts - 1)
+    _run_parts(mgr, s, lambda g: log.append(("run", g)), held_after)
+    at = {e: i for i, e in enumerate(log)}
+    assert sorted(p for w, p in log if w == "read") == list(range(n_parts)), "every part is read once"
+    for q in range(n_parts):
+        assert at[("read", q)] < at[("wait", q)] < at[("run", q + 1)] < at[("end", q)]
+        if q >= buffers:
+            assert at[("end", q - buffers)] < at[("read", q)] < at[("wait", q - buffers + 1)], f"part {q}"
+    held = at[("held", None)]
+    assert log[held + 1] == ("run", 0)
+    if held_after < 0:
+        assert held < at[("wait", 0)]
+    else:
+        assert at[("end", held_after)] < held < at.get(("wait", held_after + 1), len(log))
+
+
 def test_a_buffer_no_part_used_keeps_its_slots_last_reads(packed_factory):
     """A whole call with fewer parts than buffers: the slots of a buffer no part read into go
     back unheld with the last reads they had (each its own), not an event of this call."""
