@@ -25,6 +25,8 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert moved > 0 and t["gpu_hit_rate"] < 1.0
     assert t["bound_ms_per_token"] == pytest.approx(base + moved / bench.H2D_BYTES_PER_S * 1e3)
     assert r["arms"]["tiers_100_bf16"]["gpu_hit_rate"] == 1.0
+    # the static arm is timed over more repetitions than asked: it differs from all-GPU by less than the drift
+    assert r["arms"]["tiers_100_bf16"]["reps"] == bench.STATIC_ARM_REPS and t["reps"] == 1
     for name in ("tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"):  # each paired with an all-GPU measurement, interleaved
         a = r["arms"][name]
         # a difference of medians over 2 tokens: measured, but on a busy CPU it can come out below 0
