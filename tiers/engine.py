@@ -735,13 +735,21 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         arr[experts] = slots
         return self._upload(self.maps[i][: n + 1], i)
 
-    def upload_ints(self, values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        """``values`` as an int32 (or int64) tensor on the device, through the pinned ring (no host sync)."""
-        return self._upload(*self._pinned_ints(values, dtype))
+    def upload_ints(self, values: list[int], dtype: torch.dtype = torch.int32, on: Any | None = None) -> torch.Tensor:
+        """``values`` as an int32 (or int64) tensor on the device, through the pinned ring (no host
+        sync); ``on``: as for ``upload_int_lists``, except that the caller orders its readers."""
+        return self._upload(*self._pinned_ints(values, dtype), on=on)
 
-    def upload_int_lists(self, lists: list[list[int]]) -> list[torch.Tensor]:
+    def upload_int_lists(self, lists: list[list[int]], on: Any | None = None) -> list[torch.Tensor]:
         """Each list as an int32 tensor on the device, packed into as few uploads as the pinned
-        buffers hold (each list must fit one, as for ``upload_ints``)."""
+        buffers hold (each list must fit one, as for ``upload_ints``).
+
+        ``on``: a stream to upload on instead of the current one, which then waits for the
+        uploads. The copy engine runs uploads in the order they reach it: on the H200 a plan
+        uploaded on the compute stream while a whole-layer call's first parts were being read
+        waited for those reads, 0.7-1.5 ms, and the part kernels behind it and the reads behind
+        those waited too (``prefill_split-qwen3_moe-buffers.json``'s timelines). Queued on the copy
+        stream before the parts, it lands behind the previous layer's reads instead."""
         room = self._arrays_of[torch.int32][0].shape[0]
         out: list[torch.Tensor] = []
         i = 0
@@ -750,12 +758,16 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             while j < len(lists) and n + len(lists[j]) <= room:
                 n += len(lists[j])
                 j += 1
-            up = self.upload_ints([v for vs in lists[i:j] for v in vs])
+            up = self.upload_ints([v for vs in lists[i:j] for v in vs], on=on)
             at = 0
             for vs in lists[i:j]:
                 out.append(up[at : at + len(vs)])
                 at += len(vs)
             i = j
+        if on is not None:
+            done = self.streams.event()
+            done.record(on)
+            self.streams.current().wait_event(done)
         return out
 
     def _pinned_ints(self, values: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -780,13 +792,24 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self.map_copied[i].synchronize()  # the copy that last read this buffer (16 calls ago: long done)
         return i
 
-    def _upload(self, host: torch.Tensor, i: int) -> torch.Tensor:
+    def _upload(self, host: torch.Tensor, i: int, on: Any | None = None) -> torch.Tensor:
+        """``host`` (pinned buffer ``i`` of the ring) copied to the device on the current stream, or
+        on ``on``: allocated there and marked as used by the current stream, so its memory is not
+        handed out again before the current stream's readers ran."""
         if self.device.type != "cuda":
             return host.clone()  # no copy to make: the caller must not alias the ring
-        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
         self._check_pinned(host)
-        dev.copy_(host, non_blocking=True)
-        self._read_by(i, self.streams.current())
+        if on is None:
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            dev.copy_(host, non_blocking=True)
+            self._read_by(i, self.streams.current())
+            return dev
+        reader = self.streams.current()
+        with self.streams.use(on):
+            dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+            dev.copy_(host, non_blocking=True)
+        self._read_by(i, on)
+        dev.record_stream(reader)
         return dev
 
     def _check_pinned(self, src: torch.Tensor) -> None:

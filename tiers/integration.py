@@ -537,12 +537,15 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
     plan = _whole_plan(s, self.num_experts)
     done = False
     try:
+        firsts = [f for *_, f in plan.segments]
+        lasts = [f + hi - lo for _, lo, hi, f in plan.segments]
+        # the plan goes up on the copy stream ahead of the parts' reads: on the compute stream it
+        # would wait for the copy engine to finish the first parts' reads
+        key_map, bounds, base, first_at, last_at = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts],
+                                                                         on=mgr.copy_stream)
         for p in range(min(len(s.buffers), len(s.parts))):
             mgr.stream_part(s, p)
         n_slots, rows_n = s.pool.n_slots, T * k
-        firsts = [f for *_, f in plan.segments]
-        lasts = [f + hi - lo for _, lo, hi, f in plan.segments]
-        key_map, bounds, base, first_at, last_at = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts])
         sorted_keys, order = torch.sort(key_map[top_k_index.reshape(-1)], stable=True)  # [T*k]
         at = torch.searchsorted(sorted_keys, bounds)  # [B] rows before each bound
         offs = (at - at[base]).to(torch.int32)  # [B] per window slot: its rows' end, from the window's first row

@@ -200,10 +200,25 @@ def test_upload_int_lists_packs_lists_into_the_fewest_uploads(packed_factory, de
     sizes = [room // 3, room // 3, room - 1, 1, room // 2, room // 2]
     lists = [[i * 1000 + j for j in range(n)] for i, n in enumerate(sizes)]
     uploads, upload = [], mgr.upload_ints
-    mgr.upload_ints = lambda v, *a: uploads.append(len(v)) or upload(v, *a)
+    mgr.upload_ints = lambda v, *a, **kw: uploads.append(len(v)) or upload(v, *a, **kw)
     got = mgr.upload_int_lists(lists)
     assert [t.cpu().tolist() for t in got] == lists and all(t.dtype == torch.int32 and t.device.type == device.type for t in got)
     assert uploads == [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5]]
+    # the same on the copy stream, read on the current one (on CUDA: its own copies, then this stream waits)
+    got = mgr.upload_int_lists(lists, on=mgr.copy_stream)
+    assert [t.tolist() for t in got] == lists and all(t.dtype == torch.int32 and t.device.type == device.type for t in got)
+
+
+def test_an_upload_on_the_copy_stream_is_waited_for_by_the_current_one(packed_factory):
+    """Recording streams: ``upload_int_lists(..., on=copy)`` records an event on the copy stream
+    after its uploads, and the current (compute) stream waits on it before returning."""
+    mgr, rec, streams = _recorded_manager(packed_factory("mixtral"))
+    start = len(rec.order)
+    got = mgr.upload_int_lists([[1, 2], [3]], on=mgr.copy_stream)
+    assert [t.tolist() for t in got] == [[1, 2], [3]]
+    order = rec.order[start:]
+    at = next(i for i, o in enumerate(order) if o[0] == "record" and o[1] is mgr.copy_stream)
+    assert any(o[0] == "wait" and o[1] is streams.current() and o[2] is order[at][2] for o in order[at:])
 
 
 @settings(max_examples=200, deadline=None)

@@ -519,6 +519,28 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
     _assert_consistent(mgr)
 
 
+def test_a_whole_layer_call_uploads_its_plan_on_the_copy_stream_before_its_reads(device, packed_factory):
+    """The plan's upload goes on the copy stream ahead of the first part's reads (on the compute
+    stream it would wait for the copy engine to finish them), and the output is unchanged."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16", fraction=0.25), device=device, progress=False)
+    mgr = manager_of(model)
+    layer, _, mod, x, idx, w = next(c for c in _calls(model, 64, seed=2) if c[0] not in mgr.static_maps)
+    assert mgr.whole_layer(layer, *idx.shape)
+    mgr.whole_calls = False
+    with torch.no_grad():
+        want = mod(x, idx, w)
+    mgr.whole_calls = True
+    log = []
+    upload, part = mgr.upload_int_lists, mgr.stream_part
+    mgr.upload_int_lists = lambda lists, on=None: log.append(("upload", on)) or upload(lists, on=on)
+    mgr.stream_part = lambda s, p: log.append(("read", p)) or part(s, p)
+    with torch.no_grad():
+        got = mod(x, idx, w)
+    assert mgr.stats().streamed["whole"] == 1
+    assert log[0] == ("upload", mgr.copy_stream) and ("read", 0) in log
+    _assert_close(want, got, device, f"layer {layer}")
+
+
 def test_a_whole_layer_call_counts_the_experts_it_read_in_vain(device, packed_factory):
     """Routing that leaves some warm experts without a row: the call still reads them (it plans
     without the routing), counts them as read in vain with their bytes, and not as lookups; the
