@@ -745,11 +745,12 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         buffers hold (each list must fit one, as for ``upload_ints``).
 
         ``on``: a stream to upload on instead of the current one, which then waits for the
-        uploads. The copy engine runs uploads in the order they reach it: on the H200 a plan
-        uploaded on the compute stream while a whole-layer call's first parts were being read
-        waited for those reads, 0.7-1.5 ms, and the part kernels behind it and the reads behind
-        those waited too (``prefill_split-qwen3_moe-buffers.json``'s timelines). Queued on the copy
-        stream before the parts, it lands behind the previous layer's reads instead."""
+        uploads. A small upload that reaches the copy engine while a large read runs waits for
+        that read: on the H200 a whole-layer call's plan, uploaded on the compute stream after the
+        layer's attention, landed only when the read of the call's part 1 had ended, 0.7-1.5 ms
+        later, and part 0's kernels and part 2's reads waited behind it
+        (``prefill_split-qwen3_moe-buffers.json``'s timelines). Queued on the copy stream before
+        the parts, it lands right after the previous layer's reads instead."""
         room = self._arrays_of[torch.int32][0].shape[0]
         out: list[torch.Tensor] = []
         i = 0
