@@ -7,7 +7,8 @@ A profiler slows the host about two-fold, which changes whether the copy engine 
 or Python on the GPU, so this measures with clocks alone. Each config is precision : staging
 slots : prefetch depth : GPU fraction (the rest warm), and optionally : whole (``on``: every long
 call reads its whole layer without a sync, ``off``: none does; ``auto``: as the engine decides,
-the default) and : buffers (how many buffers a whole-layer call splits its slots into);
+the default), : buffers (how many buffers a whole-layer call splits its slots into) and : plan
+(``copy``, the default, or ``compute``: the stream a whole-layer call uploads its plan on);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -253,7 +254,7 @@ def main() -> int:
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     for spec in args.configs.split(","):
         precision, staging, depth, fraction, *rest = spec.split(":")
-        whole, buffers = rest[0] if rest else "auto", rest[1] if len(rest) > 1 else ""
+        whole, buffers, plan = (rest + ["auto", "", "copy"][len(rest):])[:3]
         cfg = warm_config(precision, staging, depth, float(fraction))
         m = tiers.load(packed, cfg, device=device, progress=False)
         if whole == "on":
@@ -262,6 +263,9 @@ def main() -> int:
             manager_of(m).whole_calls = False
         if buffers:
             manager_of(m).WHOLE_BUFFERS = int(buffers)
+        if plan not in ("copy", "compute"):
+            raise SystemExit(f"{spec}: the plan field is copy or compute, not {plan!r}")
+        manager_of(m).WHOLE_PLAN_ON_COPY = plan == "copy"
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
         loaded[spec] = (cfg, m, manager_of(m))
     reps = {spec: [] for spec in loaded}

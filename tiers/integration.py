@@ -542,7 +542,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
         # the plan goes up on the copy stream ahead of the parts' reads: on the compute stream it
         # would wait for the copy engine to finish the first parts' reads
         key_map, bounds, base, first_at, last_at = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts],
-                                                                         on=mgr.copy_stream)
+                                                                         on=mgr.copy_stream if mgr.WHOLE_PLAN_ON_COPY else None)
         for p in range(min(len(s.buffers), len(s.parts))):
             mgr.stream_part(s, p)
         n_slots, rows_n = s.pool.n_slots, T * k

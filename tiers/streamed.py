@@ -93,6 +93,9 @@ class StreamedCalls:
     # of host work: on the H200 a Qwen3-30B-A3B prefill was slower with three, 1.25x and 1.48x its
     # bound against 1.21x and 1.35x with two (prefill_split-qwen3_moe-buffers.json).
     WHOLE_BUFFERS = 2
+    # A whole-layer call uploads its plan on the copy stream, ahead of its reads (False: on the
+    # compute stream, where it waits for the reads under way; kept for A/B runs).
+    WHOLE_PLAN_ON_COPY = True
 
     def begin_stream(self, layer: int, experts: list[int], whole: tuple[int, int] | None = None) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the

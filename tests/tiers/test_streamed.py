@@ -519,11 +519,14 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
     _assert_consistent(mgr)
 
 
-def test_a_whole_layer_call_uploads_its_plan_on_the_copy_stream_before_its_reads(device, packed_factory):
+@pytest.mark.parametrize("on_copy", [True, False])
+def test_a_whole_layer_call_uploads_its_plan_on_the_copy_stream_before_its_reads(on_copy, device, packed_factory):
     """The plan's upload goes on the copy stream ahead of the first part's reads (on the compute
-    stream it would wait for the copy engine to finish them), and the output is unchanged."""
+    stream it would wait for the copy engine to finish them; ``WHOLE_PLAN_ON_COPY`` off puts it
+    there, for A/B runs), and the output is unchanged either way."""
     model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16", fraction=0.25), device=device, progress=False)
     mgr = manager_of(model)
+    mgr.WHOLE_PLAN_ON_COPY = on_copy
     layer, _, mod, x, idx, w = next(c for c in _calls(model, 64, seed=2) if c[0] not in mgr.static_maps)
     assert mgr.whole_layer(layer, *idx.shape)
     mgr.whole_calls = False
@@ -537,7 +540,7 @@ def test_a_whole_layer_call_uploads_its_plan_on_the_copy_stream_before_its_reads
     with torch.no_grad():
         got = mod(x, idx, w)
     assert mgr.stats().streamed["whole"] == 1
-    assert log[0] == ("upload", mgr.copy_stream) and ("read", 0) in log
+    assert log[0] == ("upload", mgr.copy_stream if on_copy else None) and ("read", 0) in log
     _assert_close(want, got, device, f"layer {layer}")
 
 
