@@ -35,14 +35,13 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 from collections import Counter  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from tiers.cache import ForecastSlots, LruSlots, MarkovSlots, belady_hits, replay  # noqa: E402
 from tiers.trace import TraceModel, lookups  # noqa: E402
+from tools.measure import write_result  # noqa: E402
 
 COUNTS = {"mixtral": (8, 8, 2), "qwen3_moe": (12, 128, 8)}  # layers, experts, top-k
 
@@ -270,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
               "trace": {"zipf_s": args.zipf, "reuse_p": args.reuse, "seed": args.seed, "tokens": args.tokens},
               "models": {m: measure(m, args.tokens, seed=args.seed, draws=args.draws, only=args.policies and args.policies.split(","),
                                     bound=not args.no_bound, zipf=args.zipf, reuse=args.reuse) for m in args.models.split(",")}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     for m, row in result["models"].items():
         print(m, f"belady {row['belady_hit_rate']:.3f}", " ".join(f"{k} {v:.3f}" for k, v in row["over_belady"].items()),
               f"online bound {row['online_bound_over_belady']:.3f}" if "online_bound_over_belady" in row else "")

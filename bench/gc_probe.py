@@ -20,7 +20,6 @@ import json  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -38,7 +37,7 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, expert_bytes_of, scratch_dir, shape_of, sync
+    from tools.measure import build_packed, expert_bytes_of, scratch_dir, shape_of, sync, write_result
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-gc-")
@@ -98,8 +97,7 @@ def main() -> int:
             "prefill_collections_per_call": [statistics.mean(c[i] for c in r["prefill_gc"]) for i in range(3)],
             "decode_collections_per_generate": [statistics.mean(c[i] for c in r["decode_gc"]) for i in range(3)]}
     print(json.dumps(result, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

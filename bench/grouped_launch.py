@@ -20,9 +20,10 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+
+from tools.measure import write_result  # noqa: E402
 
 
 def host_us(fn, calls: int, device: torch.device, rounds: int = 10) -> list[float]:
@@ -65,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                      ("grouped_mm_op_us", lambda: torch._grouped_mm(x, w, offs=offs))):
         rounds = host_us(fn, args.calls, device)
         result[name] = {"median": statistics.median(rounds), "rounds": rounds}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     print(json.dumps({k: (v["median"] if isinstance(v, dict) and "median" in v else v) for k, v in result.items() if k != "command"}))
     return 0
 

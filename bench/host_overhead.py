@@ -17,7 +17,6 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -81,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from tools.bench import build
 
     torch.set_num_threads(1)  # host overhead, not intra-op parallelism of tiny kernels
-    from tools.measure import scratch_dir
+    from tools.measure import scratch_dir, write_result
 
     work = scratch_dir("tiers-host-")
     build("qwen3_moe", dict(SHAPE), torch.device("cpu")).save_pretrained(work / "hf")
@@ -89,8 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(args.calls, staging, cache, work / "packed") for staging in (4, 16) for cache in ("forecast", "markov", "lru")]
     result = {"command": "python bench/host_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "torch": torch.__version__, "shape": SHAPE, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     for r in rows:
         print(f"staging {r['staging_slots']:>2} {r['cache']:<8} {r['us_per_miss']:6.1f} us/miss  {r['us_per_layer_call']:7.1f} us/layer call")
     return 0

@@ -16,11 +16,10 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.measure import event_seconds  # noqa: E402
+from tools.measure import event_seconds, write_result  # noqa: E402
 
 
 def device_ms(fn, reps: int = 50) -> float:
@@ -66,8 +65,7 @@ def main() -> int:
               "window_exact_ms": device_ms(lambda: out.index_copy_(0, dest[:rows], mlp(hidden[tok[:rows]]) * w[:rows].unsqueeze(-1))),
               "window_padded_ms": device_ms(lambda: out.index_copy_(0, dest, mlp(hidden[tok]) * w.unsqueeze(-1)))}
     print(json.dumps(result, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

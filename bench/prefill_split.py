@@ -49,7 +49,6 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -228,7 +227,7 @@ def main() -> int:
     import tiers.integration as integration
     from bench.decode_split import Steps
     from tiers.integration import manager_of
-    from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config
+    from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -317,8 +316,7 @@ def main() -> int:
         for part in ("total", "median", "host_steps_ms", "host_step_calls"):
             print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
         mgr.close()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

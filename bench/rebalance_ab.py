@@ -15,8 +15,6 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
@@ -32,7 +30,7 @@ def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
     from tools.bench import build
     from tools.routing import TraceRouting
 
-    from tools.measure import scratch_dir
+    from tools.measure import scratch_dir, write_result
 
     work = scratch_dir("tiers-ab-")
     model = build("mixtral", dict(SHAPE), torch.device("cpu"))
@@ -74,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/rebalance_ab.json")
     args = ap.parse_args(argv)
     r = run(args.tokens, args.every)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
+    write_result(args.out, r)
     for a in r["arms"]:
         print(f"gpu {a['gpu_fraction']:.0%} rebalance every {a['rebalance_every_tokens']:>3}: hit rate {a['gpu_hit_rate']:.3f}, "
               f"{a['experts_moved_per_token']:.2f} experts moved/token + {a['promotion_int8_experts_per_token']:.2f} (in int8 experts) "

@@ -22,8 +22,6 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -57,7 +55,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from tiers.integration import _router_weight
-    from tools.measure import SHAPES, build, expert_modules
+    from tools.measure import SHAPES, build, expert_modules, write_result
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -89,8 +87,7 @@ def main() -> int:
     result = {"command": "python bench/route_predict.py " + " ".join(sys.argv[1:]), "model": args.model,
               "layers": args.layers, "prefill_tokens": args.prefill, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
               "pairs": pairs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     return 0
 
 

@@ -7,6 +7,7 @@ registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends
 sync, so it measures finished work.
 """
 import atexit
+import json
 import shutil
 import statistics
 import tempfile
@@ -29,6 +30,12 @@ TINY = {
                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                       vocab_size=512, decoder_sparse_step=1, mlp_only_layers=[], layers=3),
 }
+
+
+def write_result(path, result: dict) -> None:
+    """A bench script's result as indented JSON at ``path``, its folder made if need be."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def scratch_dir(prefix: str) -> Path:
