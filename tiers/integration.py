@@ -175,7 +175,7 @@ class _SlotExperts:
             setattr(self, name, slab)
         self._windows: dict[tuple[str, int, int], torch.Tensor] = {}
 
-    WINDOWS = 4096  # window views kept at most (a long call's halves reuse a handful; decode's vary)
+    WINDOWS = 4096  # window views kept at most (a long call's buffers reuse a handful; decode's vary)
 
     def window(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Slots ``[lo, hi)`` of slab ``name`` as grouped_mm takes them (``[n, in, out]``): a view

@@ -117,7 +117,7 @@ def test_streamed_int8_equals_the_general_path(direct, device, packed_factory):
 def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels(ahead, first_two, packed_factory):
     """Recording streams: part p's reads come after the copy stream waited on the event recorded
     after part p - 2's kernels (the same half) and before the compute stream's wait for them,
-    which precedes part p's kernels; parts alternate between two disjoint halves. With ``ahead``
+    which precedes part p's kernels; parts alternate between two disjoint buffers. With ``ahead``
     of the call's experts read ahead into staging slots first, those are not read again: they
     open parts 0 and 1, and the compute stream waits on their read-ahead before those kernels.
     ``first_two``: parts 0 and 1 are queued before any kernel, as ``_grouped_streamed`` does."""
