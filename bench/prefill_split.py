@@ -7,8 +7,10 @@ A profiler slows the host about two-fold, which changes whether the copy engine 
 or Python on the GPU, so this measures with clocks alone. Each config is precision : staging
 slots : prefetch depth : GPU fraction (the rest warm), and optionally : whole (``on``: every long
 call reads its whole layer without a sync, ``off``: none does; ``auto``: as the engine decides,
-the default), : buffers (how many buffers a whole-layer call splits its slots into) and : plan
-(``copy``, the default, or ``compute``: the stream a whole-layer call uploads its plan on);
+the default), : buffers (how many buffers a whole-layer call splits its slots into), : plan
+(``copy``, the default, or ``compute``: the stream a whole-layer call uploads its plan on) and
+: dequant (``kernel``, the default, or ``torch``: how INT8 stacks are dequantized on CUDA,
+``quant.int8.USE_KERNEL``, set before each of the config's prefills);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -226,6 +228,7 @@ def main() -> int:
     import tiers
     import tiers.integration as integration
     from bench.decode_split import Steps
+    from quant import int8 as int8_scheme
     from tiers.integration import manager_of
     from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
 
@@ -253,7 +256,9 @@ def main() -> int:
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     for spec in args.configs.split(","):
         precision, staging, depth, fraction, *rest = spec.split(":")
-        whole, buffers, plan = (rest + ["auto", "", "copy"][len(rest):])[:3]
+        whole, buffers, plan, dequant = (rest + ["auto", "", "copy", "kernel"][len(rest):])[:4]
+        if dequant not in ("kernel", "torch"):
+            raise SystemExit(f"{spec}: the dequant field is kernel or torch, not {dequant!r}")
         cfg = warm_config(precision, staging, depth, float(fraction))
         m = tiers.load(packed, cfg, device=device, progress=False)
         if whole == "on":
@@ -265,12 +270,14 @@ def main() -> int:
         if plan not in ("copy", "compute"):
             raise SystemExit(f"{spec}: the plan field is copy or compute, not {plan!r}")
         manager_of(m).WHOLE_PLAN_ON_COPY = plan == "copy"
+        int8_scheme.USE_KERNEL = dequant == "kernel"
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
-        loaded[spec] = (cfg, m, manager_of(m))
+        loaded[spec] = (cfg, m, manager_of(m), dequant == "kernel")
     reps = {spec: [] for spec in loaded}
     for _ in range(args.reps):
         gpu = prefill_seconds(plain, ids, device, 1)
-        for spec, (cfg, m, mgr) in loaded.items():
+        for spec, (cfg, m, mgr, kernel) in loaded.items():
+            int8_scheme.USE_KERNEL = kernel
             mgr.reset_stats()
             t = prefill_seconds(m, ids, device, 1)
             st = mgr.stats()
@@ -299,7 +306,8 @@ def main() -> int:
             s["timeline"] = [(w, L, round(d, 3)) for w, L, _, d in marks.resolved()]
             reps[spec].append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
                                "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
-    for spec, (cfg, m, mgr) in loaded.items():
+    int8_scheme.USE_KERNEL = True
+    for spec, (cfg, m, mgr, _) in loaded.items():
         r = reps[spec]
         med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
         med["over_bound"] = med["prefill_s"] / med["bound_s"]

@@ -1,13 +1,20 @@
 """Symmetric per-row INT8: one fp32 scale per output row (absmax / 127).
 
-Dequantize is a single broadcast multiply into ``out`` (int8 * fp32 -> bf16), which runs on
-whichever device the fields sit on. Rows of zeros get scale 1 so that no NaN can appear.
+Dequantize is a broadcast multiply into ``out`` (int8 * fp32 -> bf16, in fp32, rounded once),
+which runs on whichever device the fields sit on: on CUDA with Triton present through
+``quant.int8_kernel`` (the same arithmetic, several times the memory rate), elsewhere
+``torch.mul``. Rows of zeros get scale 1 so that no NaN can appear.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
 from quant.core import FieldSpec, QuantizedTensor, register
+
+MAX_STACK = 65535  # the CUDA kernel's grid puts the stack on its second axis
+USE_KERNEL = True  # False: torch.mul on CUDA too (kept for A/B runs: bench/prefill_split.py's dequant field)
 
 
 class Int8PerRow:
@@ -40,7 +47,57 @@ class Int8PerRow:
         qdata, scale = q.data["qdata"], q.data["scale"]
         if scale.dim() < qdata.dim():  # not prepared
             scale = scale.unsqueeze(-1)
+        layout = _kernel_layout(qdata, scale, out)
+        if layout is not None:
+            from quant.int8_kernel import launch
+
+            launch(qdata, layout[0], scale, layout[1], out, layout[2], *layout[3:])
+            return out
         return torch.mul(qdata, scale, out=out)  # [*rows, C]
 
 
 register(Int8PerRow())
+
+
+@lru_cache(maxsize=1)
+def kernel_available() -> bool:
+    """True when the Triton kernel can run (CUDA and Triton present)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from quant import int8_kernel  # noqa: F401  (imports triton)
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel_layout(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
+    """The kernel's view of a dequantization (``stack_layout``), or None where ``torch.mul`` runs
+    it: off CUDA, without Triton, with ``USE_KERNEL`` off, or for dtypes other than int8 codes, fp32 scales and a bf16 or
+    fp16 output."""
+    if not USE_KERNEL or out.device.type != "cuda" or qdata.device != out.device or scale.device != out.device:
+        return None
+    if qdata.dtype != torch.int8 or scale.dtype != torch.float32 or out.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    layout = stack_layout(qdata, scale, out)
+    return layout if layout is not None and kernel_available() else None
+
+
+def stack_layout(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
+    """Codes, scales ``[*rows, 1]`` and output as the kernel addresses them, or None: each a stack
+    (at most one leading dimension, at most ``MAX_STACK`` long) of ``[R, C]`` elements with
+    contiguous rows, one scale per row. Returns the three stack strides (in elements), the stack
+    size, the codes per element and ``C``: element ``j``'s code ``i`` is at ``qdata``'s first
+    element plus ``j * stride + i``, its scale at ``j * stride + i // C``."""
+    if qdata.dim() not in (2, 3) or out.shape != qdata.shape or scale.shape != (*qdata.shape[:-1], 1):
+        return None
+    rows, cols = qdata.shape[-2:]
+    stack = qdata.shape[0] if qdata.dim() == 3 else 1
+    if rows * cols == 0 or not 0 < stack <= MAX_STACK:
+        return None
+    for t, row_stride in ((qdata, cols), (out, cols), (scale, 1)):
+        if rows > 1 and t.stride(-2) != row_stride or t is not scale and cols > 1 and t.stride(-1) != 1:
+            return None
+    if qdata.dim() == 2:
+        return (0, 0, 0, 1, rows * cols, cols)
+    return (qdata.stride(0), scale.stride(0), out.stride(0), stack, rows * cols, cols)

@@ -1,0 +1,107 @@
+"""INT8 dequantization's memory rate on the GPU: the Triton kernel against torch.mul and a plain copy.
+
+    python bench/dequant_rate.py [--reps 50] [--out FILE]
+
+For each expert tensor of Qwen3-30B-A3B and Mixtral-8x7B (gate and up fused, and down), stacked
+as the engine stacks a streamed part's experts (codes and scales strided across the stack, a
+blob per transit row), times ``quant.int8``'s dequantization into a slab through the Triton
+kernel and through ``torch.mul`` (the path off CUDA), and a bf16 device-to-device copy of the
+output's size as the rate the memory gives in the same run. Each rate counts the bytes a pass
+must move: codes and scales read, output written (the copy: output read and written). The bound
+for a dequantization is its bytes at the copy's rate. Times are medians over ``--reps`` launches
+(CUDA events around each). Needs CUDA (and Triton for the kernel).
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+
+import torch  # noqa: E402
+
+STACKS = {"qwen3_moe": (1, 8, 15), "mixtral": (1, 2)}
+
+
+def tensors(model: str) -> dict[str, tuple[int, int]]:
+    from tools.measure import SHAPES
+
+    s = SHAPES[model]
+    h = s["hidden_size"]
+    i = s.get("moe_intermediate_size", s["intermediate_size"])
+    return {"gate_up": (2 * i, h), "down": (h, i)}
+
+
+def stacked(k: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k experts' codes ``[k, rows, cols]`` and scales ``[k, rows, 1]`` in rows of one byte buffer."""
+    at = (rows * cols + 15) // 16 * 16
+    width = at + (4 * rows + 15) // 16 * 16
+    buf = torch.empty((k, width), dtype=torch.uint8, device="cuda")
+    q = buf[:, : rows * cols].view(torch.int8).view(k, rows, cols)
+    q.copy_(torch.randint(-127, 128, (k, rows, cols), dtype=torch.int8, device="cuda"))
+    s = buf[:, at : at + 4 * rows].view(torch.float32).view(k, rows, 1)
+    s.copy_(torch.rand((k, rows, 1), device="cuda") * 0.05 + 1e-3)
+    return q, s
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn`` over ``reps`` launches after three warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("dequant_rate needs a CUDA device")
+
+    import quant
+    from quant import QuantizedTensor
+    from quant import int8 as int8_mod
+    from tools.measure import write_result
+
+    scheme = quant.get_scheme("int8")
+    rows_out = []
+    for model, ks in STACKS.items():
+        for name, (r, c) in tensors(model).items():
+            for k in ks:
+                q, s = stacked(k, r, c)
+                out = torch.empty((k, r, c), dtype=torch.bfloat16, device="cuda")
+                other = torch.empty_like(out)
+                qt = QuantizedTensor("int8", (k, r, c), {"qdata": q, "scale": s})
+                n = k * r * c
+                moved = n + 4 * k * r + 2 * n  # codes and scales read, bf16 written
+                t_copy = timed(lambda: other.copy_(out), args.reps)
+                t_mul = timed(lambda: torch.mul(q, s, out=out), args.reps)
+                row = {"model": model, "tensor": name, "shape": [k, r, c], "bytes": moved,
+                       "copy_gbps": 4 * n / t_copy / 1e9, "bound_ms": moved / (4 * n / t_copy) * 1e3,
+                       "torch_mul_ms": t_mul * 1e3, "torch_mul_gbps": moved / t_mul / 1e9}
+                if int8_mod.kernel_available():
+                    t_kernel = timed(lambda: scheme.dequantize(qt, out=out), args.reps)
+                    expected = torch.mul(q, s, out=torch.empty_like(out))
+                    scheme.dequantize(qt, out=out)
+                    row.update(kernel_ms=t_kernel * 1e3, kernel_gbps=moved / t_kernel / 1e9,
+                               kernel_over_bound=t_kernel * 1e3 / row["bound_ms"], exact=bool(torch.equal(out, expected)))
+                rows_out.append(row)
+                print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()}, flush=True)
+    write_result(args.out, {"command": "python bench/dequant_rate.py " + " ".join(sys.argv[1:]),
+                            "device": torch.cuda.get_device_name(), "triton": int8_mod.kernel_available(), "rows": rows_out})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
