@@ -5,11 +5,14 @@
 For each expert tensor of Qwen3-30B-A3B and Mixtral-8x7B (gate and up fused, and down), stacked
 as the engine stacks a streamed part's experts (codes and scales strided across the stack, a
 blob per transit row), times ``quant.int8``'s dequantization into a slab through the Triton
-kernel and through ``torch.mul`` (the path off CUDA), and a bf16 device-to-device copy of the
+kernel (at every size: ``quant.int8.KERNEL_MIN_CODES`` set to 0) and through ``torch.mul`` (the
+path off CUDA, and for small dequantizations), and a bf16 device-to-device copy of the
 output's size as the rate the memory gives in the same run. Each rate counts the bytes a pass
 must move: codes and scales read, output written (the copy: output read and written). The bound
 for a dequantization is its bytes at the copy's rate. Times are medians over ``--reps`` launches
-(CUDA events around each). Needs CUDA (and Triton for the kernel).
+(CUDA events around each, so a launch that costs the host more than the device shows its host
+time); ``*_host_us`` is the host time per call, queued back to back. Needs CUDA (and Triton for
+the kernel).
 """
 import os
 import sys
@@ -19,6 +22,7 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 
 import argparse  # noqa: E402
 import statistics  # noqa: E402
+import time  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -61,6 +65,18 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def host_us(fn, reps: int) -> float:
+    """Host microseconds per call of ``fn``, queued back to back (the device catches up after)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return t / reps * 1e6
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
@@ -75,6 +91,7 @@ def main() -> int:
     from tools.measure import write_result
 
     scheme = quant.get_scheme("int8")
+    int8_mod.KERNEL_MIN_CODES = 0  # time the kernel at every size (the library leaves small ones to torch.mul)
     rows_out = []
     for model, ks in STACKS.items():
         for name, (r, c) in tensors(model).items():
@@ -89,12 +106,14 @@ def main() -> int:
                 t_mul = timed(lambda: torch.mul(q, s, out=out), args.reps)
                 row = {"model": model, "tensor": name, "shape": [k, r, c], "bytes": moved,
                        "copy_gbps": 4 * n / t_copy / 1e9, "bound_ms": moved / (4 * n / t_copy) * 1e3,
-                       "torch_mul_ms": t_mul * 1e3, "torch_mul_gbps": moved / t_mul / 1e9}
+                       "torch_mul_ms": t_mul * 1e3, "torch_mul_gbps": moved / t_mul / 1e9,
+                       "torch_mul_host_us": host_us(lambda: torch.mul(q, s, out=out), args.reps)}
                 if int8_mod.kernel_available():
                     t_kernel = timed(lambda: scheme.dequantize(qt, out=out), args.reps)
                     expected = torch.mul(q, s, out=torch.empty_like(out))
                     scheme.dequantize(qt, out=out)
                     row.update(kernel_ms=t_kernel * 1e3, kernel_gbps=moved / t_kernel / 1e9,
+                               kernel_host_us=host_us(lambda: scheme.dequantize(qt, out=out), args.reps),
                                kernel_over_bound=t_kernel * 1e3 / row["bound_ms"], exact=bool(torch.equal(out, expected)))
                 rows_out.append(row)
                 print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()}, flush=True)

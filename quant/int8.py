@@ -15,6 +15,11 @@ from quant.core import FieldSpec, QuantizedTensor, register
 
 MAX_STACK = 65535  # the CUDA kernel's grid puts the stack on its second axis
 USE_KERNEL = True  # False: torch.mul on CUDA too (kept for A/B runs: bench/prefill_split.py's dequant field)
+# Fewer codes than this go through torch.mul even on CUDA. On the H200 (bench/results/
+# dequant_rate.json) one Qwen3-30B-A3B expert's gate and up codes (3.1 M) took 0.022 ms through
+# torch.mul and 0.047 through the kernel, host launch included; eight experts' down codes (12.6 M)
+# 0.068 against 0.050, and fifteen experts' gate and up codes 0.228 against 0.074.
+KERNEL_MIN_CODES = 1 << 23
 
 
 class Int8PerRow:
@@ -49,14 +54,15 @@ class Int8PerRow:
             scale = scale.unsqueeze(-1)
         layout = _kernel_layout(qdata, scale, out)
         if layout is not None:
-            from quant.int8_kernel import launch
-
-            launch(qdata, layout[0], scale, layout[1], out, layout[2], *layout[3:])
+            _KERNEL[0](qdata, layout[0], scale, layout[1], out, layout[2], *layout[3:])
             return out
         return torch.mul(qdata, scale, out=out)  # [*rows, C]
 
 
 register(Int8PerRow())
+
+
+_KERNEL: list = [None]  # quant.int8_kernel.launch, once imported
 
 
 @lru_cache(maxsize=1)
@@ -65,17 +71,18 @@ def kernel_available() -> bool:
     if not torch.cuda.is_available():
         return False
     try:
-        from quant import int8_kernel  # noqa: F401  (imports triton)
+        from quant import int8_kernel  # imports triton
     except ImportError:
         return False
+    _KERNEL[0] = int8_kernel.launch
     return True
 
 
 def _kernel_layout(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
     """The kernel's view of a dequantization (``stack_layout``), or None where ``torch.mul`` runs
-    it: off CUDA, without Triton, with ``USE_KERNEL`` off, or for dtypes other than int8 codes, fp32 scales and a bf16 or
+    it: off CUDA, without Triton, with ``USE_KERNEL`` off, for fewer than ``KERNEL_MIN_CODES`` codes, or for dtypes other than int8 codes, fp32 scales and a bf16 or
     fp16 output."""
-    if not USE_KERNEL or out.device.type != "cuda" or qdata.device != out.device or scale.device != out.device:
+    if not USE_KERNEL or out.device.type != "cuda" or qdata.numel() < KERNEL_MIN_CODES or qdata.device != out.device or scale.device != out.device:
         return None
     if qdata.dtype != torch.int8 or scale.dtype != torch.float32 or out.dtype not in (torch.bfloat16, torch.float16):
         return None

@@ -41,14 +41,18 @@ def _stream():
 
 
 def _hooks() -> bool:
-    """True while launch hooks are set, or where this Triton keeps them elsewhere."""
-    try:
-        from triton import knobs
-    except ImportError:
-        return True
-    rt = knobs.runtime
-    return not (idle(rt.launch_enter_hook) and idle(rt.launch_exit_hook))
+    """True while launch hooks are set, or where this Triton keeps them elsewhere (then the fast
+    path is never taken)."""
+    rt = _RUNTIME
+    return rt is None or not (idle(rt.launch_enter_hook) and idle(rt.launch_exit_hook))
 
+
+try:
+    from triton import knobs as _knobs
+
+    _RUNTIME = _knobs.runtime
+except ImportError:
+    _RUNTIME = None
 
 _RELAUNCH = Relauncher(_dequant, dict(BLOCK=BLOCK, num_warps=WARPS), _stream, _hooks)
 

@@ -87,19 +87,27 @@ def test_dequantize_off_cuda_is_torch_mul():
     assert torch.equal(out, torch.mul(codes, scales.unsqueeze(-1), out=torch.empty_like(out)))
 
 
+def counting_launches(monkeypatch) -> list:
+    """Record every kernel launch ``quant.int8`` makes (CUDA with Triton)."""
+    assert int8_mod.kernel_available()
+    launches: list = []
+    real = int8_mod._KERNEL[0]
+    monkeypatch.setitem(int8_mod._KERNEL, 0, lambda *a: (launches.append(a), real(*a)))
+    return launches
+
+
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k,rows,cols", [(1, 5, 7), (3, 17, 300), (2, 1, 5000), (5, 96, 4097), (15, 64, 192)])
 def test_kernel_matches_torch_mul_bit_for_bit(k, rows, cols, dtype, monkeypatch):
     """The engine's strided stacks, one element at a time and whole, relaunched past Triton's
-    dispatch: every call goes through the kernel and equals torch.mul on the same device."""
+    dispatch: every call goes through the kernel (no size floor here) and equals torch.mul on
+    the same device."""
     from quant import int8_kernel
 
-    assert int8_mod.kernel_available()
-    launches = []
-    real = int8_kernel.launch
-    monkeypatch.setattr(int8_kernel, "launch", lambda *a: (launches.append(a), real(*a)))
+    monkeypatch.setattr(int8_mod, "KERNEL_MIN_CODES", 0)
+    launches = counting_launches(monkeypatch)
     scheme = quant.get_scheme("int8")
     q, s, _, _ = blob_stack(k, rows, cols, device="cuda", seed=k + rows)
     expected = torch.mul(q, s, out=torch.empty((k, rows, cols), dtype=dtype, device="cuda"))
@@ -116,3 +124,18 @@ def test_kernel_matches_torch_mul_bit_for_bit(k, rows, cols, dtype, monkeypatch)
         assert torch.isnan(out[0]).all() and torch.isnan(out[k + 1]).all()  # neighbours untouched
     assert len(launches) == 4 * (k + 1)
     assert int8_kernel._RELAUNCH.fast_launches > fast_before
+
+
+@pytest.mark.cuda
+@cuda
+def test_small_dequantizations_stay_with_torch_mul(monkeypatch):
+    """Below ``KERNEL_MIN_CODES`` codes torch.mul runs (cheaper to launch); at it, the kernel."""
+    monkeypatch.setattr(int8_mod, "KERNEL_MIN_CODES", 3 * 64 * 192)
+    launches = counting_launches(monkeypatch)
+    scheme = quant.get_scheme("int8")
+    q, s, _, _ = blob_stack(3, 64, 192, device="cuda")
+    for k, launched in ((2, 0), (3, 1)):
+        out = torch.empty((k, 64, 192), dtype=torch.bfloat16, device="cuda")
+        scheme.dequantize(QuantizedTensor("int8", (k, 64, 192), {"qdata": q[:k], "scale": s[:k]}), out=out)
+        assert len(launches) == launched
+        assert torch.equal(out, torch.mul(q[:k], s[:k], out=torch.empty_like(out)))
