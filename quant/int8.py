@@ -54,7 +54,7 @@ class Int8PerRow:
             scale = scale.unsqueeze(-1)
         layout = _kernel_layout(qdata, scale, out)
         if layout is not None:
-            _KERNEL[0](qdata, layout[0], scale, layout[1], out, layout[2], *layout[3:])
+            _launch(qdata, layout[0], scale, layout[1], out, layout[2], *layout[3:])
             return out
         return torch.mul(qdata, scale, out=out)  # [*rows, C]
 
@@ -62,7 +62,7 @@ class Int8PerRow:
 register(Int8PerRow())
 
 
-_KERNEL: list = [None]  # quant.int8_kernel.launch, once imported
+_launch = None  # quant.int8_kernel.launch, once kernel_available() imported it
 
 
 @lru_cache(maxsize=1)
@@ -74,15 +74,18 @@ def kernel_available() -> bool:
         from quant import int8_kernel  # imports triton
     except ImportError:
         return False
-    _KERNEL[0] = int8_kernel.launch
+    global _launch
+    _launch = int8_kernel.launch
     return True
 
 
 def _kernel_layout(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
     """The kernel's view of a dequantization (``stack_layout``), or None where ``torch.mul`` runs
-    it: off CUDA, without Triton, with ``USE_KERNEL`` off, for fewer than ``KERNEL_MIN_CODES`` codes, or for dtypes other than int8 codes, fp32 scales and a bf16 or
-    fp16 output."""
-    if not USE_KERNEL or out.device.type != "cuda" or qdata.numel() < KERNEL_MIN_CODES or qdata.device != out.device or scale.device != out.device:
+    it: off CUDA, without Triton, with ``USE_KERNEL`` off, for fewer than ``KERNEL_MIN_CODES``
+    codes, or for dtypes other than int8 codes, fp32 scales and a bf16 or fp16 output."""
+    if not USE_KERNEL or out.device.type != "cuda" or qdata.numel() < KERNEL_MIN_CODES:
+        return None
+    if qdata.device != out.device or scale.device != out.device:
         return None
     if qdata.dtype != torch.int8 or scale.dtype != torch.float32 or out.dtype not in (torch.bfloat16, torch.float16):
         return None

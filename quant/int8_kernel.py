@@ -33,7 +33,8 @@ def _dequant(q, q_stride, s, s_stride, out, out_stride, n, cols, BLOCK: tl.const
     m = i < n
     codes = tl.load(q + j * q_stride + i, mask=m, other=0)
     scale = tl.load(s + j * s_stride + i // cols, mask=m, other=0.0)
-    tl.store(out + j * out_stride + i, (codes.to(tl.float32) * scale).to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=m)
+    value = (codes.to(tl.float32) * scale).to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out + j * out_stride + i, value, mask=m)
 
 
 def _stream():
