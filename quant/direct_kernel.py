@@ -15,9 +15,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import driver
 
-from quant.launch import Relauncher, idle
+from quant.launch import triton_relauncher
 
 BLOCK = 8192  # elements per program
 WARPS = 8
@@ -75,27 +74,8 @@ class _Plan:
             self.blocks += nb
             self.fixed += [t.out, t.data, t.scale or 0, n, t.out.shape[-1]] + ([nb] if i < 2 else [])
         self.quant = tensors[0].scale is not None
-        self.relaunch = {usage: Relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, BLOCK=BLOCK, num_warps=WARPS), _stream, _hooks)
+        self.relaunch = {usage: triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, BLOCK=BLOCK, num_warps=WARPS))
                          for usage in (False, True)}
-
-
-def _stream():
-    return driver.active.get_current_stream(driver.active.get_current_device())
-
-
-def _hooks() -> bool:
-    """True while launch hooks are set, or where this Triton keeps them elsewhere (then the fast
-    path is never taken)."""
-    rt = _RUNTIME
-    return rt is None or not (idle(rt.launch_enter_hook) and idle(rt.launch_exit_hook))
-
-
-try:
-    from triton import knobs as _knobs
-
-    _RUNTIME = _knobs.runtime
-except ImportError:
-    _RUNTIME = None
 
 
 def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import driver
 
-from quant.launch import Relauncher, idle
+from quant.launch import triton_relauncher
 
 BLOCK = 4096  # elements per program
 WARPS = 4
@@ -37,25 +36,7 @@ def _dequant(q, q_stride, s, s_stride, out, out_stride, n, cols, BLOCK: tl.const
     tl.store(out + j * out_stride + i, value, mask=m)
 
 
-def _stream():
-    return driver.active.get_current_stream(driver.active.get_current_device())
-
-
-def _hooks() -> bool:
-    """True while launch hooks are set, or where this Triton keeps them elsewhere (then the fast
-    path is never taken)."""
-    rt = _RUNTIME
-    return rt is None or not (idle(rt.launch_enter_hook) and idle(rt.launch_exit_hook))
-
-
-try:
-    from triton import knobs as _knobs
-
-    _RUNTIME = _knobs.runtime
-except ImportError:
-    _RUNTIME = None
-
-_RELAUNCH = Relauncher(_dequant, dict(BLOCK=BLOCK, num_warps=WARPS), _stream, _hooks)
+_RELAUNCH = triton_relauncher(_dequant, dict(BLOCK=BLOCK, num_warps=WARPS))
 
 
 def launch(q: torch.Tensor, q_stride: int, s: torch.Tensor, s_stride: int, out: torch.Tensor, out_stride: int,

@@ -1,6 +1,6 @@
 """Relaunching a compiled Triton kernel without Triton's per-call dispatch.
 
-Owns: ``Relauncher``. Triton's ``kernel[grid](*args)`` binds and specializes every argument in
+Owns: ``Relauncher``, and ``triton_relauncher`` (one over Triton's current stream and launch hooks). Triton's ``kernel[grid](*args)`` binds and specializes every argument in
 Python on each call; for the direct-fetch kernel's 28 arguments that cost about 70 us of host
 time per launch on the H200 machine, paid once per layer of a decode step, while the host is
 what bounds batch-1 decode. A relauncher learns, from one ordinary launch, the exact call its
@@ -94,3 +94,25 @@ class Relauncher:
         if any(hasattr(t, "data_ptr") for t in tail):
             return _OFF
         return (real, a[4], a[5], tail)
+
+
+def triton_relauncher(jit: Any, constexprs: dict) -> Relauncher:
+    """A ``Relauncher`` of ``jit`` on Triton's current CUDA stream, taking Triton's own path while
+    its runtime has launch hooks set (or keeps them where this cannot see). Imports Triton: for
+    the kernel modules, which exist only where it is present."""
+    from triton.runtime import driver
+
+    try:
+        from triton import knobs
+
+        runtime = knobs.runtime
+    except ImportError:  # a Triton older than its knobs
+        runtime = None
+
+    def stream() -> Any:
+        return driver.active.get_current_stream(driver.active.get_current_device())
+
+    def hooks() -> bool:
+        return runtime is None or not (idle(runtime.launch_enter_hook) and idle(runtime.launch_exit_hook))
+
+    return Relauncher(jit, constexprs, stream, hooks)

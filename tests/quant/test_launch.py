@@ -150,3 +150,57 @@ def test_every_call_launches_once_with_its_own_arguments(calls):
         r((m, 2), args, key=key)
         assert len(jit.launches) == n + 1
         _check(jit.launches[-1], (m, 2), args, jit.stream, (True, 64))
+
+
+def _fake_triton(monkeypatch, knobs: bool):
+    """A stand-in ``triton`` package: a driver whose current stream is 7 on device 3, and (with
+    ``knobs``) a runtime whose launch hooks the test sets."""
+    import sys
+    import types
+
+    driver = types.SimpleNamespace(active=types.SimpleNamespace(get_current_device=lambda: 3,
+                                                                get_current_stream=lambda device: 7 if device == 3 else None))
+    pkg = types.ModuleType("triton")
+    runtime_mod = types.ModuleType("triton.runtime")
+    runtime_mod.driver = driver
+    pkg.runtime = runtime_mod
+    rt = types.SimpleNamespace(launch_enter_hook=None, launch_exit_hook=None)
+    monkeypatch.setitem(sys.modules, "triton", pkg)
+    monkeypatch.setitem(sys.modules, "triton.runtime", runtime_mod)
+    if knobs:
+        knobs_mod = types.ModuleType("triton.knobs")
+        knobs_mod.runtime = rt
+        pkg.knobs = knobs_mod
+        monkeypatch.setitem(sys.modules, "triton.knobs", knobs_mod)
+    else:
+        monkeypatch.delitem(sys.modules, "triton.knobs", raising=False)  # not a package: the import fails
+    return rt
+
+
+def test_triton_relauncher_reads_tritons_stream_and_hooks(monkeypatch):
+    from quant.launch import triton_relauncher
+
+    rt = _fake_triton(monkeypatch, knobs=True)
+    jit = FakeJit("all")
+    r = triton_relauncher(jit, {"BLOCK": 64})
+    assert r.stream() == 7 and r.hooks() is False
+    rt.launch_enter_hook = Chain([print])  # a profiler's hook: Triton's own path
+    assert r.hooks() is True
+    rt.launch_enter_hook, rt.launch_exit_hook = Chain(), print
+    assert r.hooks() is True
+    rt.launch_exit_hook = None
+    assert r.hooks() is False
+    jit.stream = 7
+    for _ in range(3):
+        args = _args()
+        r((2, 1), args, key="k")
+    assert r.fast_launches == 1
+    _check(jit.launches[-1], (2, 1), args, 7, (64,))
+
+
+def test_triton_relauncher_without_knobs_keeps_tritons_path(monkeypatch):
+    from quant.launch import triton_relauncher
+
+    _fake_triton(monkeypatch, knobs=False)
+    r = triton_relauncher(FakeJit("all"), {})
+    assert r.hooks() is True
