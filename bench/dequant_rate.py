@@ -10,9 +10,10 @@ path off CUDA, and for small dequantizations), and a bf16 device-to-device copy 
 output's size as the rate the memory gives in the same run. Each rate counts the bytes a pass
 must move: codes and scales read, output written (the copy: output read and written). The bound
 for a dequantization is its bytes at the copy's rate. Times are medians over ``--reps`` launches
-(CUDA events around each, so a launch that costs the host more than the device shows its host
-time); ``*_host_us`` is the host time per call, queued back to back. Needs CUDA (and Triton for
-the kernel).
+(``tools.measure.event_seconds``: CUDA events around each, so a launch that costs the host more
+than the device shows its host time); ``*_host_us`` is the host time per call, queued back to
+back. Needs CUDA (and Triton for the kernel). The committed results were timed with three
+warm-up launches, where ``event_seconds`` now takes one.
 """
 import os
 import sys
@@ -21,7 +22,6 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
-import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -50,21 +50,6 @@ def stacked(k: int, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` launches after three warm-ups."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
 def host_us(fn, reps: int) -> float:
     """Host microseconds per call of ``fn``, queued back to back (the device catches up after)."""
     fn()
@@ -88,7 +73,7 @@ def main() -> int:
     import quant
     from quant import QuantizedTensor
     from quant import int8 as int8_mod
-    from tools.measure import write_result
+    from tools.measure import event_seconds, write_result
 
     scheme = quant.get_scheme("int8")
     int8_mod.KERNEL_MIN_CODES = 0  # time the kernel at every size (the library leaves small ones to torch.mul)
@@ -102,14 +87,14 @@ def main() -> int:
                 qt = QuantizedTensor("int8", (k, r, c), {"qdata": q, "scale": s})
                 n = k * r * c
                 moved = n + 4 * k * r + 2 * n  # codes and scales read, bf16 written
-                t_copy = timed(lambda: other.copy_(out), args.reps)
-                t_mul = timed(lambda: torch.mul(q, s, out=out), args.reps)
+                t_copy = event_seconds(lambda: other.copy_(out), args.reps)
+                t_mul = event_seconds(lambda: torch.mul(q, s, out=out), args.reps)
                 row = {"model": model, "tensor": name, "shape": [k, r, c], "bytes": moved,
                        "copy_gbps": 4 * n / t_copy / 1e9, "bound_ms": moved / (4 * n / t_copy) * 1e3,
                        "torch_mul_ms": t_mul * 1e3, "torch_mul_gbps": moved / t_mul / 1e9,
                        "torch_mul_host_us": host_us(lambda: torch.mul(q, s, out=out), args.reps)}
                 if int8_mod.kernel_available():
-                    t_kernel = timed(lambda: scheme.dequantize(qt, out=out), args.reps)
+                    t_kernel = event_seconds(lambda: scheme.dequantize(qt, out=out), args.reps)
                     expected = torch.mul(q, s, out=torch.empty_like(out))
                     scheme.dequantize(qt, out=out)
                     row.update(kernel_ms=t_kernel * 1e3, kernel_gbps=moved / t_kernel / 1e9,

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+from quant.launch import kernel_module
 
 # precision -> (the field holding the encoded data, the field of per-row scales or None)
 FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
@@ -46,16 +47,9 @@ def supported(precision: str) -> bool:
     return precision in FIELDS
 
 
-@lru_cache(maxsize=1)
 def kernel_available() -> bool:
     """True when the Triton kernel can run (CUDA and Triton present)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from quant import direct_kernel  # noqa: F401  (imports triton)
-    except ImportError:
-        return False
-    return True
+    return kernel_module("direct_kernel") is not None
 
 
 def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,

@@ -7,11 +7,10 @@ which runs on whichever device the fields sit on: on CUDA with Triton present th
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
 from quant.core import FieldSpec, QuantizedTensor, register
+from quant.launch import kernel_module
 
 MAX_STACK = 65535  # the CUDA kernel's grid puts the stack on its second axis
 USE_KERNEL = True  # False: torch.mul on CUDA too (kept for A/B runs: bench/prefill_split.py's dequant field)
@@ -62,21 +61,16 @@ class Int8PerRow:
 register(Int8PerRow())
 
 
-_launch = None  # quant.int8_kernel.launch, once kernel_available() imported it
-
-
-@lru_cache(maxsize=1)
 def kernel_available() -> bool:
     """True when the Triton kernel can run (CUDA and Triton present)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        from quant import int8_kernel  # imports triton
-    except ImportError:
-        return False
     global _launch
-    _launch = int8_kernel.launch
-    return True
+    module = kernel_module("int8_kernel")
+    if module is not None and _launch is None:
+        _launch = module.launch
+    return module is not None
+
+
+_launch = None  # quant.int8_kernel.launch, once kernel_available() found it
 
 
 def _kernel_layout(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:

@@ -1,6 +1,7 @@
 """Relaunching a compiled Triton kernel without Triton's per-call dispatch.
 
-Owns: ``Relauncher``, and ``triton_relauncher`` (one over Triton's current stream and launch hooks). Triton's ``kernel[grid](*args)`` binds and specializes every argument in
+Owns: ``Relauncher``, ``triton_relauncher`` (one over Triton's current stream and launch hooks)
+and ``kernel_module`` (a kernel module, imported where CUDA and Triton are present). Triton's ``kernel[grid](*args)`` binds and specializes every argument in
 Python on each call; for the direct-fetch kernel's 28 arguments that cost about 70 us of host
 time per launch on the H200 machine, paid once per layer of a decode step, while the host is
 what bounds batch-1 decode. A relauncher learns, from one ordinary launch, the exact call its
@@ -18,7 +19,12 @@ own path. Every call launches the kernel exactly once.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+import importlib
+from functools import lru_cache
+from types import ModuleType
 from typing import Any
+
+import torch
 
 _FIRST, _OFF = object(), object()  # seen once (compiled), or not relaunchable
 
@@ -116,3 +122,15 @@ def triton_relauncher(jit: Any, constexprs: dict) -> Relauncher:
         return runtime is None or not (idle(runtime.launch_enter_hook) and idle(runtime.launch_exit_hook))
 
     return Relauncher(jit, constexprs, stream, hooks)
+
+
+@lru_cache(maxsize=None)
+def kernel_module(name: str) -> ModuleType | None:
+    """``quant.<name>``, a module of Triton kernels (it imports Triton), or None where there is no
+    CUDA device or no Triton; imported once."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return importlib.import_module(f"quant.{name}")
+    except ImportError:
+        return None

@@ -204,3 +204,17 @@ def test_triton_relauncher_without_knobs_keeps_tritons_path(monkeypatch):
     _fake_triton(monkeypatch, knobs=False)
     r = triton_relauncher(FakeJit("all"), {})
     assert r.hooks() is True
+
+
+def test_kernel_module_needs_cuda_and_an_importable_module(monkeypatch):
+    import quant.core
+    from quant.launch import kernel_module
+
+    kernel_module.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kernel_module("core") is None
+    kernel_module.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert kernel_module("core") is quant.core
+    assert kernel_module("no_such_kernel") is None  # as where Triton is missing: the import fails
+    kernel_module.cache_clear()
