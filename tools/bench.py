@@ -365,7 +365,8 @@ def run(args) -> dict:
         from tools import coldread
 
         try:
-            result["cold_read"] = coldread.measure(packed, "int8", threads=args.reader_threads, limit_bytes=int(args.cold_read_gb * 1e9))
+            result["cold_read"] = coldread.measure(packed, "int8", threads=args.reader_threads, limit_bytes=int(args.cold_read_gb * 1e9),
+                                                  rounds=args.cold_read_rounds)
             result["cold_read"]["packed_dir"] = "(the bench's temporary pack)"  # a temporary path says nothing
         except Exception as e:  # reported, the rest of the results still land
             result["cold_read"] = {"error": f"{type(e).__name__}: {e}"}
@@ -503,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")
     ap.add_argument("--copy-sweep", action="store_true", help="measure H2D GB/s per copy size (CUDA)")
     ap.add_argument("--cold-read-gb", type=float, default=0.0, help="measure cold reads of this many GB against O_DIRECT (0: skip)")
+    ap.add_argument("--cold-read-rounds", type=int, default=2,
+                    help="rounds of the cold-read passes, odd ones in reverse order (2: each pass once early and once late)")
     ap.add_argument("--reader-threads", type=int, default=4)
     ap.add_argument("--warmup-tokens", type=int, default=32, help="tokens generated before timing (all arms but lazy and accelerate)")
     ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")

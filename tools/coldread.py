@@ -224,6 +224,7 @@ def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_t
     store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes, direct_io=direct_io)
     buf = mmap.mmap(-1, max(s.stride for s in spans))  # page-aligned with a stride of room, like the engine's ring buffers
     out = torch.frombuffer(buf, dtype=torch.uint8)  # [max stride]
+    out.zero_()  # faulted in before the clock starts, as the engine's pinned ring is at load
     try:
         t0 = time.perf_counter()
         for s in spans:
@@ -245,14 +246,17 @@ def diskstore_parallel_pass(manifest: Manifest, precision: str, spans: list[Span
 
     store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes, direct_io=direct_io)
     size = max(s.stride for s in spans)
-    local = threading.local()  # each worker's buffer: page-aligned, like the engine's ring buffers
+    free = queue.SimpleQueue()  # one buffer per worker: page-aligned and faulted in, like the engine's ring buffers
+    for _ in range(workers):
+        free.put(torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8).zero_())
     lock = threading.Lock()
 
     def read(span: Span) -> None:
-        out = getattr(local, "out", None)
-        if out is None:
-            out = local.out = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
-        store.read(span.key, precision, out)
+        out = free.get()
+        try:
+            store.read(span.key, precision, out)
+        finally:
+            free.put(out)
         with lock:
             bar.update(1)
 

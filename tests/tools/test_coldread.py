@@ -194,3 +194,38 @@ def test_main_on_a_directory_that_is_not_packed(tmp_path, capsys):
     rc = coldread.main([str(tmp_path), "--quiet"])
     _, err = capsys.readouterr()
     assert rc == 2 and str(tmp_path) in err and "not a packed checkpoint" in err
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_diskstore_passes_read_into_buffers_faulted_before_the_clock(packed, monkeypatch, workers):
+    """The DiskStore passes read into buffers made and touched before timing starts (as the
+    engine's pinned ring is at load), one per worker, so page faults are not charged to the disk."""
+    import resource
+
+    _, _, nbytes = sums(packed, "int8")
+    manifest = read_manifest(packed)
+    spans = coldread.select_blobs(manifest, "int8", None)
+    faults: dict[int, tuple[int, int]] = {}  # buffer -> (page faults writing all of it at its first read, its pages)
+    real_read = coldread.DiskStore.read
+
+    def read(self, key, precision, out):
+        if out.data_ptr() not in faults:
+            f0 = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            out.fill_(1)
+            faults[out.data_ptr()] = (resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - f0, out.numel() // coldread.PAGE)
+        return real_read(self, key, precision, out)
+
+    monkeypatch.setattr(coldread.DiskStore, "read", read)
+
+    class Bar:
+        def update(self, n):
+            pass
+
+    if workers == 1:
+        r = coldread.diskstore_pass(manifest, "int8", spans, 1, coldread.REQUEST_BYTES, Bar())
+    else:
+        r = coldread.diskstore_parallel_pass(manifest, "int8", spans, workers, 1, coldread.REQUEST_BYTES, Bar())
+    assert r["bytes"] == nbytes
+    assert 1 <= len(faults) <= workers
+    for n, pages in faults.values():
+        assert pages >= 4 and n <= pages // 4, f"{n} page faults writing a {pages}-page buffer: it was not touched before the clock"
