@@ -11,7 +11,8 @@ files was dropped, with the bytes still cached reported beside it. The passes (a
   over each blob's whole stride, into a page-aligned mmap buffer;
 - ``o_direct_threads``: the same requests on ``threads`` concurrent streams (when ``threads`` > 1);
 - ``diskstore``: ``DiskStore.read`` (the engine's path, CRC32 verified on first read) with
-  ``read_threads`` (default 1) and ``chunk_bytes=request_bytes``, into a page-aligned buffer;
+  ``read_threads`` (default 1) and ``chunk_bytes=request_bytes``, into a page-aligned buffer faulted
+  in before the clock starts (the engine reads into a pinned ring, faulted in at load);
 - ``diskstore_serial``: the same with ``read_threads=0`` (when ``read_threads`` > 0);
 - ``diskstore_parallel``: ``DiskStore.read`` of ``threads`` blobs at once, each into its own
   buffer, as the engine reads a layer call's cold misses on its reader threads (when ``threads`` > 1);
