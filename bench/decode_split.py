@@ -21,7 +21,10 @@ decode token:
 
 When ``host_forward_ms`` is close to ``token_ms`` the host bounds decode and a faster GPU path
 would not show; otherwise the device does. Arms are as in ``bench/profile_arms.py``;
-``-nodirect`` turns direct reads (and so direct decode) off; ``+h2d`` (an all-GPU arm) keeps the
+``-nodirect`` turns direct reads (and so direct decode) off; ``@skewed`` routes by the bench's
+skewed trace, with the rebalancer on (every ``--rebalance-every`` tokens; its serving-thread
+steps are timed as ``host_rebalancer.<step>_ms``, ``host_take_direct_usage_ms`` and
+``host__refresh_direct_ms``), ``@skewed_norebal`` with it off; ``+h2d`` (an all-GPU arm) keeps the
 PCIe link busy with large pinned host-to-device copies on a side stream while it is measured,
 which asks whether traffic on the link alone slows the host's launches.
 """
@@ -126,7 +129,9 @@ class Clock:
                          "host_experts_ms": host_exp, "device_experts_ms": dev_exp,
                          "host_before_experts_ms": host_pre, "host_after_experts_ms": host_post,
                          "device_token_ms": dev(span[0], self.marks[nxt])})
-        return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"tokens": len(rows)}
+        # medians, and the mean token: work done every few tokens (a rebalance) shows in the mean only
+        return ({k: statistics.median(r[k] for r in rows) for k in rows[0]}
+                | {"token_ms_mean": statistics.mean(r["token_ms"] for r in rows), "tokens": len(rows)})
 
 
 def main() -> int:
@@ -136,6 +141,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--arms", default="all_gpu,tiers_100_bf16,tiers_50_int8,tiers_50_int8-nodirect")
+    ap.add_argument("--rebalance-every", type=int, default=8, help="@skewed arms: rebalance every this many tokens (as tools/bench.py)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -154,6 +160,14 @@ def main() -> int:
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "arms": {}}
 
     def measure(name, m) -> None:
+        from tools.routing import TraceRouting
+
+        if "@skewed" in name:  # as tools/bench.py routes its skewed arms
+            with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
+                return measured(name, m)
+        return measured(name, m)
+
+    def measured(name, m) -> None:
         kw = dict(do_sample=False, pad_token_id=0)
         m.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
         row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
@@ -168,6 +182,11 @@ def main() -> int:
             for attr in ("direct_ready", "fetch_direct"):
                 steps.wrap(mgr, attr, attr)
             steps.wrap(direct, "fetch", "launch")
+            if mgr.rebalancer is not None:  # its serving-thread steps (the reads run on its own threads)
+                for attr in ("take_direct_usage", "_refresh_direct"):
+                    steps.wrap(mgr, attr, attr)
+                for attr in ("note_call", "land", "rebalance", "_issue", "_finish_hot"):
+                    steps.wrap(mgr.rebalancer, attr, "rebalancer." + attr)
         load = name.endswith("+h2d") and device.type == "cuda"
         if load:
             src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
@@ -198,13 +217,14 @@ def main() -> int:
         measure(name, model)
     del model
     for name in [a for a in arms if a.startswith("tiers_")]:
-        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?", name)
+        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?(@skewed(?:_norebal)?)?", name)
         if arm is None:
-            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect])")
-        pct, precision, nodirect = arm.groups()
+            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect][@skewed[_norebal]])")
+        pct, precision, nodirect, skewed = arm.groups()
         cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100},
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
-                         "nvme": {"precision": precision}}}
+                         "nvme": {"precision": precision},
+                         "rebalance": {"every_tokens": args.rebalance_every if skewed == "@skewed" else 0}}}
         m = tiers.load(packed, cfg, device=device, progress=False)
         measure(name, m)
         manager_of(m).close()
