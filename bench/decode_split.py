@@ -24,8 +24,7 @@ would not show; otherwise the device does. Arms are as in ``bench/profile_arms.p
 ``-nodirect`` turns direct reads (and so direct decode) off; ``@skewed`` routes by the bench's
 skewed trace, with the rebalancer on (every ``--rebalance-every`` tokens; its serving-thread
 steps are timed as ``host_rebalancer.<step>_ms``, ``host_take_direct_usage_ms`` and
-``host__refresh_direct_ms``; ``-spin``: its threads spin on their fences, ``Rebalancer.FENCE_BLOCKING``
-off), ``@skewed_norebal`` with it off; ``+h2d`` (an all-GPU arm) keeps the
+``host__refresh_direct_ms``), ``@skewed_norebal`` with it off; ``+h2d`` (an all-GPU arm) keeps the
 PCIe link busy with large pinned host-to-device copies on a side stream while it is measured,
 which asks whether traffic on the link alone slows the host's launches.
 """
@@ -218,17 +217,15 @@ def main() -> int:
         measure(name, model)
     del model
     for name in [a for a in arms if a.startswith("tiers_")]:
-        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?(-spin)?(@skewed(?:_norebal)?)?", name)
+        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?(@skewed(?:_norebal)?)?", name)
         if arm is None:
-            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect][-spin][@skewed[_norebal]])")
-        pct, precision, nodirect, spin, skewed = arm.groups()
+            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect][@skewed[_norebal]])")
+        pct, precision, nodirect, skewed = arm.groups()
         cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100},
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
                          "nvme": {"precision": precision},
                          "rebalance": {"every_tokens": args.rebalance_every if skewed == "@skewed" else 0}}}
         m = tiers.load(packed, cfg, device=device, progress=False)
-        if spin and manager_of(m).rebalancer is not None:
-            manager_of(m).rebalancer.FENCE_BLOCKING = False
         measure(name, m)
         manager_of(m).close()
         del m

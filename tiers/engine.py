@@ -79,10 +79,8 @@ class Streams:
             stream = self._seen[sid] = self.module.current_stream(self.device)
         return stream
 
-    def event(self, timing: bool = False, blocking: bool = False) -> Any:
-        """A new event. ``blocking``: a thread that synchronizes on it sleeps until it completes
-        (CUDA's default spins, polling the driver, which a background thread should not do)."""
-        return self.module.Event(enable_timing=timing, blocking=blocking) if self.cuda else self.module.Event()
+    def event(self, timing: bool = False) -> Any:
+        return self.module.Event(enable_timing=timing) if self.cuda else self.module.Event()
 
     def use(self, stream: Any):
         if self.cuda and torch.cuda.current_device() == self.index:

@@ -147,7 +147,6 @@ class Rebalancer:
     streams and staging helpers). Called on the serving thread only; reads run on its own thread."""
 
     BUFFERS = 2  # pinned promotion buffers: hot promotions in flight at once
-    FENCE_BLOCKING = True  # the fences rebalance threads wait on are blocking events (False: CUDA's spin; an A/B switch)
 
     @classmethod
     def buffer_bytes(cls, manifest: Any, cfg: Any, placement: Any) -> int:
@@ -271,9 +270,7 @@ class Rebalancer:
         compute = mgr.streams.event()
         compute.record(mgr.streams.current())
         mgr.copy_stream.wait_event(compute)
-        # a rebalance thread waits on it, maybe for a whole token's queued work: it sleeps, where
-        # CUDA's default spin would poll the driver beside the serving thread's launches
-        fence = mgr.streams.event(blocking=self.FENCE_BLOCKING)
+        fence = mgr.streams.event()
         fence.record(mgr.copy_stream)
         cp = mgr.cfg.cpu.precision
         return self._submit(self._read_after, fence, key, cp, mgr.host.view(offset, mgr.manifest.ref(key, cp).nbytes))

@@ -268,7 +268,6 @@ def test_a_host_place_is_refilled_only_after_every_queued_read_of_it(packed_fact
     mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
     mgr.rebalancer.land(wait=True)
     assert fences, "the swap must refill a place (the demoted expert's cpu blob)"
-    assert all(f.blocking for f in fences), "a rebalance thread must sleep on its fence, not spin"
     order = rec.order[start:]
     for fence in fences:
         at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is fence)
