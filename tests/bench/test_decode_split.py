@@ -34,18 +34,19 @@ def test_split_adds_up_per_token_and_skips_the_prompt():
     layers, gap = 3, 2.0  # ms between a forward's last layer and the next forward (sampling, sync)
     t = 0.0
     for token in range(4):
-        attn, experts, post = (50.0, 50.0, 50.0) if token == 0 else (1.0 + token, 0.5, 0.25)  # the prompt's forward is long
+        attn, experts, post = (50.0, 50.0, 50.0) if token == 0 else ((2.0, 3.0, 7.0)[token - 1], 0.5, 0.25)  # the prompt's forward is long
         clock.marks += _token(t, layers, attn, experts, post)
         t = clock.marks[-1][2] + gap / 1e3
     clock.marks.append(("layer", 0, t, None))  # the next token's start closes the last one
     got = clock.split(layers)
     assert got["tokens"] == 3  # tokens 1..3; the prompt's forward is left out
-    # medians over tokens 1, 2, 3, whose attention parts take 2, 3 and 4 ms
+    # medians over tokens 1, 2, 3, whose attention parts take 2, 3 and 7 ms
     assert math.isclose(got["host_before_experts_ms"], layers * 3.0)
     assert math.isclose(got["host_experts_ms"], layers * 0.5)
     assert math.isclose(got["host_after_experts_ms"], layers * 0.25)
     assert math.isclose(got["host_forward_ms"], layers * (3.0 + 0.5 + 0.25))
     assert math.isclose(got["token_ms"], layers * (3.0 + 0.5 + 0.25) + gap)
+    assert math.isclose(got["token_ms_mean"], layers * (4.0 + 0.5 + 0.25) + gap)  # the slow token counts in the mean
     assert math.isnan(got["device_token_ms"])
 
 
