@@ -1,6 +1,6 @@
 """How well speculative routing predicts a long prompt's experts: the next layer's router on this layer's input.
 
-    python bench/route_predict.py [--model qwen3_moe] [--layers 6] [--prefill 2048] [--out FILE]
+    python bench/route_predict.py [--model qwen3_moe] [--layers 6] [--prefill 2048] [--prompts 1] [--out FILE]
 
 Lookahead (``prefetch_depth``) predicts layer i + 1's experts by applying its router to the
 hidden states layer i's experts see. For one token that names the next layer's top-k; for a
@@ -9,7 +9,10 @@ builds a random-weight model of real shapes (``tools.measure``; the bench's prom
 runs one prefill with hooks that record each experts call's input and routing, and for each
 pair of consecutive layers reports the experts the second used, and the experts predicted at
 least ``n`` times (n = 1, 2, 4, ..., 32) with their precision (predicted and used / predicted),
-recall (predicted and used / used) and the share of routed rows they cover.
+recall (predicted and used / used) and the share of routed rows they cover. With ``--prompts N``
+(N >= 2) it runs N - 1 more prompts (random tokens, seeds 2, 3, ...) and reports, per layer and
+prompt, how well the experts the prompt before used at that layer predict the ones this prompt
+uses (``history``): a predictor that needs no router, if prompts share their experts.
 
 Why: reading a predicted expert ahead saves its read only when it is used, and a wrong one
 costs its bytes and a slot. Device-independent (it counts experts, it times nothing); on a
@@ -51,6 +54,7 @@ def main() -> int:
     ap.add_argument("--model", default="qwen3_moe")
     ap.add_argument("--layers", type=int, default=6)
     ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--prompts", type=int, default=1, help="prompts to run; from 2: how well the last prompt's experts predict the next's")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -70,10 +74,12 @@ def main() -> int:
     ids = torch.randint(0, vocab, (1, args.prefill), generator=g).to(device)
     with torch.no_grad():
         model(ids)
-    for h in handles:
-        h.remove()
     top_k = model.config.num_experts_per_tok
     layers = sorted(seen)
+
+    def rows_per_expert() -> dict[int, torch.Tensor]:
+        return {L: torch.bincount(seen[L][1].reshape(-1), minlength=mods[L][1].num_experts)[: mods[L][1].num_experts].cpu() for L in layers}
+
     pairs = []
     for a, b in zip(layers, layers[1:]):
         name, mod = mods[b]
@@ -84,9 +90,24 @@ def main() -> int:
         row = pairs[-1]
         print(f"layer {a} -> {b}: used {row['used']}/{row['experts']}; "
               + "; ".join(f">={t['at_least']}: {t['predicted']} p {t['precision']:.2f} r {t['recall']:.2f}" for t in row["thresholds"]), flush=True)
+    used_by = [rows_per_expert()]  # per prompt: rows per expert at each layer
+    for seed in range(2, args.prompts + 1):
+        with torch.no_grad():
+            model(torch.randint(0, vocab, (1, args.prefill), generator=torch.Generator().manual_seed(seed)).to(device))
+        used_by.append(rows_per_expert())
+    for h in handles:
+        h.remove()
+    history = []  # the experts the prompt before used at a layer, as this prompt's prediction there
+    for p in range(1, len(used_by)):
+        for L in layers:
+            before, now = used_by[p - 1][L], used_by[p][L]
+            row = {"prompt": p + 1, "layer": L, "used": int((now > 0).sum()), "used_before": int((before > 0).sum())}
+            history.append(row | score(before, now)[0])  # predicted: used at least once before
+            print(f"prompt {p + 1}, layer {L}: used {row['used']}, the prompt before {row['used_before']}; "
+                  f"p {history[-1]['precision']:.2f} r {history[-1]['recall']:.2f} rows {history[-1]['rows_covered']:.2f}", flush=True)
     result = {"command": "python bench/route_predict.py " + " ".join(sys.argv[1:]), "model": args.model,
               "layers": args.layers, "prefill_tokens": args.prefill, "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-              "pairs": pairs}
+              "pairs": pairs, "history": history}
     write_result(args.out, result)
     return 0
 
