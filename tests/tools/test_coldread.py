@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -200,8 +201,6 @@ def test_main_on_a_directory_that_is_not_packed(tmp_path, capsys):
 def test_diskstore_passes_read_into_buffers_faulted_before_the_clock(packed, monkeypatch, workers):
     """The DiskStore passes read into buffers made and touched before timing starts (as the
     engine's pinned ring is at load), one per worker, so page faults are not charged to the disk."""
-    import resource
-
     _, _, nbytes = sums(packed, "int8")
     manifest = read_manifest(packed)
     spans = coldread.select_blobs(manifest, "int8", None)
