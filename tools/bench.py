@@ -515,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
     args = ap.parse_args(argv)
+    if args.cold_read_gb and not 1 <= args.cold_read_rounds <= 64:  # refused now, not after the arms have run
+        ap.error(f"--cold-read-rounds: expected an integer in [1, 64], got {args.cold_read_rounds}")
     args.argv = argv
     result = run(args)
     out = Path(args.out)

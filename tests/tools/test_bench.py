@@ -156,3 +156,10 @@ def test_paired_timings_alternate_the_arm_and_its_pair():
     t = r["arms"]["tiers_25_int8"]
     assert t["prefill_bound_s"] == pytest.approx(0.02) and t["paired_prefill_bound_s"] == pytest.approx(0.03)
     assert t["prefill_over_bound"] == pytest.approx(3.0) and t["prefill_over_paired_bound"] == pytest.approx(2.0)
+
+
+def test_bad_cold_read_rounds_are_refused_before_any_arm_runs(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("the bench ran with a bad --cold-read-rounds"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--tiny", "--device", "cpu", "--cold-read-gb", "0.01", "--cold-read-rounds", "0", "--out", str(tmp_path)])
+    assert e.value.code == 2 and "--cold-read-rounds" in capsys.readouterr().err
