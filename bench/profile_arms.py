@@ -137,7 +137,7 @@ def main() -> int:
     import tiers
     from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, expert_bytes_of
+    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, expert_bytes_of, write_result
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
@@ -222,7 +222,7 @@ def main() -> int:
         manager_of(m).close()
         del m
         torch.cuda.empty_cache() if device.type == "cuda" else None
-    (out / f"profile-{args.model}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_result(out / f"profile-{args.model}.json", summary)
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -54,7 +54,7 @@ TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25
 from tiers.cache import POLICIES  # noqa: E402
 from tiers.config import TiersConfig  # noqa: E402
 from tools.measure import (  # noqa: E402
-    SHAPES, TINY, build, copy_sweep, decode_ms_per_token, expert_modules, lazy_experts_forward, prefill_seconds, sync,
+    SHAPES, TINY, build, copy_sweep, decode_ms_per_token, expert_modules, lazy_experts_forward, prefill_seconds, sync, write_result,
 )
 
 
@@ -106,8 +106,7 @@ def run(args) -> dict:
 
     def save_partial():
         if args.out:
-            Path(args.out).mkdir(parents=True, exist_ok=True)
-            (Path(args.out) / f"bench-{args.model}.partial.json").write_text(json.dumps(result, indent=1) + "\n")
+            write_result(Path(args.out) / f"bench-{args.model}.partial.json", result)
 
     def failed(name, e):
         result["arms"][name] = {"error": f"{type(e).__name__}: {e}"}
@@ -520,9 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = argv
     result = run(args)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"bench-{args.model}{'-tiny' if args.tiny else ''}"
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_result(out / f"{stem}.json", result)
     (out / f"{stem}.md").write_text(markdown(result))
     (out / f"bench-{args.model}.partial.json").unlink(missing_ok=True)
     print(markdown(result))
