@@ -27,6 +27,19 @@ steps are timed as ``host_rebalancer.<step>_ms``, ``host_take_direct_usage_ms`` 
 ``host__refresh_direct_ms``), ``@skewed_norebal`` with it off; ``+h2d`` (an all-GPU arm) keeps the
 PCIe link busy with large pinned host-to-device copies on a side stream while it is measured,
 which asks whether traffic on the link alone slows the host's launches.
+
+Variants, to find where an arm's host time goes (each ``~name`` before the ``@``, any number):
+
+- ``~idle``: the rebalancer counts but never closes an interval (no plan, no move, no read);
+- ``~inline``: no reader threads (``tiers.nvme.reader_threads: 0``): the rebalancer reads on the
+  serving thread;
+- ``~gcoff``: Python's garbage collector off while the arm is timed;
+- ``~switch``: the interpreter's thread switch interval at 50 us (5 ms by default) while timed,
+  which shortens how long the serving thread can wait for the GIL behind another thread.
+
+``token_ms_all`` lists every timed token's host time, rep by rep, so work done every few tokens
+shows where it falls. ``--cprofile N`` also runs one generate under cProfile per arm and keeps
+the N functions with the most own time (ms per decode token, calls per decode token).
 """
 import os
 import sys
@@ -35,7 +48,11 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import cProfile  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
+import pstats  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
@@ -131,7 +148,49 @@ class Clock:
                          "device_token_ms": dev(span[0], self.marks[nxt])})
         # medians, and the mean token: work done every few tokens (a rebalance) shows in the mean only
         return ({k: statistics.median(r[k] for r in rows) for k in rows[0]}
-                | {"token_ms_mean": statistics.mean(r["token_ms"] for r in rows), "tokens": len(rows)})
+                | {"token_ms_mean": statistics.mean(r["token_ms"] for r in rows), "tokens": len(rows),
+                   "token_ms_all": [round(r["token_ms"], 3) for r in rows]})
+
+
+VARIANTS = ("idle", "inline", "gcoff", "switch")
+
+
+@contextlib.contextmanager
+def timed_conditions(variants: set[str]):
+    """The interpreter's state an arm is timed under: its collector and thread switch interval."""
+    was_gc, was_switch = gc.isenabled(), sys.getswitchinterval()
+    if "gcoff" in variants:
+        gc.disable()
+    if "switch" in variants:
+        sys.setswitchinterval(5e-5)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(was_switch)
+        if was_gc:
+            gc.enable()
+
+
+def top_functions(prof: cProfile.Profile, n: int, per: int) -> list[dict]:
+    """The ``n`` functions with the most own time, per ``per`` tokens."""
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:n]
+    return [{"function": f"{os.path.basename(f)}:{line}({name})", "own_ms": round(own * 1e3 / per, 4),
+             "cum_ms": round(cum * 1e3 / per, 4), "calls": round(calls / per, 2)}
+            for (f, line, name), (_, calls, own, cum, _) in rows]
+
+
+def parse_arm(name: str) -> tuple[int, str, bool, frozenset[str], str | None]:
+    """``tiers_<pct>_<precision>[-nodirect][~variant ...][@skewed[_norebal]]`` -> its parts."""
+    arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?((?:~[a-z]+)*)(@skewed(?:_norebal)?)?", name)
+    if arm is None:
+        raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect][~variant ...][@skewed[_norebal]])")
+    pct, precision, nodirect, variants, skewed = arm.groups()
+    names = frozenset(v for v in variants.split("~") if v)
+    unknown = sorted(names - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"--arms: {name!r} has unknown variant(s) {unknown} (known: {', '.join(VARIANTS)})")
+    return int(pct), precision, bool(nodirect), names, skewed
 
 
 def main() -> int:
@@ -142,6 +201,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--arms", default="all_gpu,tiers_100_bf16,tiers_50_int8,tiers_50_int8-nodirect")
     ap.add_argument("--rebalance-every", type=int, default=8, help="@skewed arms: rebalance every this many tokens (as tools/bench.py)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also profile one generate per arm with cProfile; keep the top N functions by own time")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -159,18 +219,19 @@ def main() -> int:
     result = {"command": "python bench/decode_split.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "arms": {}}
 
-    def measure(name, m) -> None:
+    def measure(name, m, variants=frozenset()) -> None:
         from tools.routing import TraceRouting
 
         if "@skewed" in name:  # as tools/bench.py routes its skewed arms
             with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
-                return measured(name, m)
-        return measured(name, m)
+                return measured(name, m, variants)
+        return measured(name, m, variants)
 
-    def measured(name, m) -> None:
+    def measured(name, m, variants) -> None:
         kw = dict(do_sample=False, pad_token_id=0)
         m.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-        row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
+        with timed_conditions(variants):
+            row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
         clock = Clock(device)
         handles = clock.attach(m)
         splits = []
@@ -198,7 +259,8 @@ def main() -> int:
                     for _ in range(48):
                         dst.copy_(src, non_blocking=True)
             clock.marks, clock.on = [], True
-            m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+            with timed_conditions(variants):
+                m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
             clock.on = False
             splits.append(clock.split(args.layers))
             if load:
@@ -206,27 +268,37 @@ def main() -> int:
         steps.restore()
         for h in handles:
             h.remove()
-        row |= {k: statistics.median(s[k] for s in splits) for k in splits[0]}
+        row |= {k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "token_ms_all"}
+        row["token_ms_all"] = [s["token_ms_all"] for s in splits]
+        if args.cprofile:  # the prompt's forward is in it too; per decode token regardless
+            prof = cProfile.Profile()
+            with timed_conditions(variants):
+                prof.enable()
+                m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+                prof.disable()
+            row["cprofile_top"] = top_functions(prof, args.cprofile, args.tokens - 1)
         # per decode token (the prompt's forward runs none of these: direct decode is decode only)
         row |= {f"host_{k}_ms": v / (args.reps * (args.tokens - 1)) for k, v in steps.ms.items()}
         result["arms"][name] = row
-        print(name, json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
+        print(name, json.dumps({k: round(v, 3) for k, v in row.items() if isinstance(v, float)}), flush=True)
 
+    for name in arms:
+        if name.startswith("tiers_"):
+            parse_arm(name)  # a bad arm is refused before anything is timed
     expert_bytes = expert_bytes_of(model)
     for name in [a for a in arms if a.startswith("all_gpu")]:
         measure(name, model)
     del model
     for name in [a for a in arms if a.startswith("tiers_")]:
-        arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?(@skewed(?:_norebal)?)?", name)
-        if arm is None:
-            raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect][@skewed[_norebal]])")
-        pct, precision, nodirect, skewed = arm.groups()
-        cfg = {"tiers": {"gpu": {"fraction": int(pct) / 100},
+        pct, precision, nodirect, variants, skewed = parse_arm(name)
+        every = args.rebalance_every if skewed == "@skewed" else 0
+        nvme = {"precision": precision} | ({"reader_threads": 0} if "inline" in variants else {})
+        cfg = {"tiers": {"gpu": {"fraction": pct / 100},
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
-                         "nvme": {"precision": precision},
-                         "rebalance": {"every_tokens": args.rebalance_every if skewed == "@skewed" else 0}}}
+                         "nvme": nvme,
+                         "rebalance": {"every_tokens": (1 << 30) if every and "idle" in variants else every}}}
         m = tiers.load(packed, cfg, device=device, progress=False)
-        measure(name, m)
+        measure(name, m, variants)
         manager_of(m).close()
         del m
     write_result(args.out, result)

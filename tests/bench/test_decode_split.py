@@ -66,3 +66,61 @@ def test_steps_time_calls_and_restore_owners():
     steps.restore()
     assert "step" not in vars(inst), "the instance kept its wrapper"
     assert _Owner.step.__name__ == "step" and _Owner().step(5) == 6
+
+
+def test_arm_variants_are_read_and_unknown_ones_refused():
+    assert decode_split.parse_arm("tiers_25_int8@skewed") == (25, "int8", False, frozenset(), "@skewed")
+    assert decode_split.parse_arm("tiers_50_int8-nodirect~idle~gcoff@skewed_norebal") == (
+        50, "int8", True, frozenset({"idle", "gcoff"}), "@skewed_norebal")
+    for bad, says in (("tiers_25_int8~fast@skewed", "unknown variant"), ("tiers_x_int8", "cannot read")):
+        try:
+            decode_split.parse_arm(bad)
+        except SystemExit as e:
+            assert says in str(e) and bad in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_timed_conditions_set_and_restore_the_interpreter():
+    import gc
+    import sys
+
+    switch = sys.getswitchinterval()
+    assert gc.isenabled()
+    with decode_split.timed_conditions({"gcoff", "switch"}):
+        assert not gc.isenabled() and math.isclose(sys.getswitchinterval(), 5e-5)
+    assert gc.isenabled() and sys.getswitchinterval() == switch
+    with decode_split.timed_conditions(set()):
+        assert gc.isenabled() and sys.getswitchinterval() == switch
+    try:
+        with decode_split.timed_conditions({"gcoff"}):
+            raise KeyError("x")
+    except KeyError:
+        pass
+    assert gc.isenabled(), "an error left the collector off"
+
+
+def test_top_functions_rank_by_own_time_per_token():
+    import cProfile
+    import time as _time
+
+    def slow():
+        t = _time.perf_counter()
+        while _time.perf_counter() - t < 0.02:
+            pass
+
+    def fast():
+        return sum(range(10))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(4):
+        slow()
+        fast()
+    prof.disable()
+    top = decode_split.top_functions(prof, 3, per=2)
+    assert len(top) == 3
+    assert [r["own_ms"] for r in top] == sorted((r["own_ms"] for r in top), reverse=True)
+    slow_row = next(r for r in top if "(slow)" in r["function"])
+    assert slow_row["calls"] == 2.0  # 4 calls over 2 tokens
+    assert slow_row["cum_ms"] >= 40.0 - 1.0  # 80 ms over 2 tokens, most of it under perf_counter
