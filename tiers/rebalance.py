@@ -101,7 +101,15 @@ def _least(keys: Iterable[ExpertKey], freq: Counter, n: int) -> list[ExpertKey]:
 def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: float) -> list[Move]:
     """Promote the most used experts into the hot set and the warm pool, replacing the least used,
     a newcomer only when used ``margin`` more often than what it replaces (no churn on noise).
-    At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic.
+    At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic, except
+    that a hot newcomer replaces, among the least used hot experts, one of its own layer first.
+
+    Why the layer first: a newcomer takes its victim's hot slot. Broken by key alone, ties (in a
+    short window most hot experts are unused) always took the lowest layers' experts, so hot
+    capacity drained from layer 0 into the others (60 hot experts of 128 became 16 there) and
+    each layer's hot slots scattered over the others' ranges; a whole-layer call then runs one
+    grouped GEMM per run of its slots instead of one, and its layers' copies are uneven. Capacity
+    still moves between layers where the other layer's expert is strictly less used.
 
     Only used experts can be newcomers (a move needs one use more than what it replaces), and at
     most ``max_moves`` experts are replaced per tier, so the plan sorts the used experts and picks
@@ -109,14 +117,7 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
     keys = group.keys if isinstance(group.keys, (set, frozenset)) else frozenset(group.keys)
     # (-uses, key) of the used experts that are neither hot nor busy: the newcomers to choose from
     used = [(-n, k) for k, n in freq.items() if n > 0 and k in keys and k not in group.hot and k not in group.busy]
-    moves: list[Move] = []
-    hot = set(group.hot)
-    for (_, new), old in zip(heapq.nsmallest(max_moves, used), _least(group.hot - group.busy, freq, max_moves)):
-        if len(moves) >= max_moves or not _better(freq[new], freq[old], margin):
-            break
-        moves.append(Move(new, Home.GPU, old))
-        hot.discard(old)
-        hot.add(new)
+    moves = _hot_moves(freq, group, [k for _, k in heapq.nsmallest(max_moves, used)], max_moves, margin)
     promoted = {m.key for m in moves}
     free = group.free_places  # places freed by promotions from warm only free up when those land
     # Experts hot now stay out even when demoted by this plan: they are hot until their swap lands.
@@ -131,6 +132,33 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
             break
         warm_moves.append(Move(new, Home.CPU, old))
     return moves + warm_moves
+
+
+def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max_moves: int, margin: float) -> list[Move]:
+    """Each newcomer (most used first) replaces the least used hot expert left, by (uses, not of
+    the newcomer's layer, key), while it is margin better. The victims' uses never decrease and
+    the newcomers' never increase, so the first failure ends the plan. The least ``max_moves``
+    of the group and of each newcomer's layer hold every victim the rule can pick."""
+    movable = group.hot - group.busy
+    layers: dict[int, list[ExpertKey]] = {k.layer: [] for k in newcomers}
+    for k in movable:
+        if k.layer in layers:
+            layers[k.layer].append(k)
+    least = _least(movable, freq, max_moves)
+    local = {L: _least(ks, freq, max_moves) for L, ks in layers.items()}
+    taken: set[ExpertKey] = set()
+    moves: list[Move] = []
+    for new in newcomers:
+        left = [k for k in (next((k for k in least if k not in taken), None), next((k for k in local[new.layer] if k not in taken), None))
+                if k is not None]
+        if not left:
+            break
+        old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))
+        if not _better(freq[new], freq[old], margin):
+            break
+        moves.append(Move(new, Home.GPU, old))
+        taken.add(old)
+    return moves
 
 
 @dataclass

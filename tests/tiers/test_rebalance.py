@@ -81,10 +81,15 @@ def _reference_plan(freq, group, *, max_moves, margin):
     desc = lambda ks: sorted(ks, key=lambda k: (-freq[k], k))  # noqa: E731
     asc = lambda ks: sorted(ks, key=lambda k: (freq[k], k))  # noqa: E731
     moves, hot = [], set(group.hot)
-    for new, old in zip(desc(k for k in group.keys if k not in hot and k not in group.busy), asc(k for k in group.hot if k not in group.busy)):
-        if len(moves) >= max_moves or not better(freq[new], freq[old]):
+    left = [k for k in group.hot if k not in group.busy]
+    for new in desc(k for k in group.keys if k not in hot and k not in group.busy):
+        if len(moves) >= max_moves or not left:
+            break
+        old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))  # the least used, of its own layer on a tie
+        if not better(freq[new], freq[old]):
             break
         moves.append(Move(new, Home.GPU, old))
+        left.remove(old)
         hot.discard(old)
         hot.add(new)
     promoted = {m.key for m in moves}
@@ -98,20 +103,36 @@ def _reference_plan(freq, group, *, max_moves, margin):
     return moves + warm_moves
 
 
-@settings(max_examples=300, deadline=None)
-@given(plan_inputs, st.booleans())
-def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer):
+@settings(max_examples=400, deadline=None)
+@given(plan_inputs, st.booleans(), st.lists(st.integers(0, 2), min_size=12, max_size=12))
+def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer, layer_of):
     """plan_moves picks the least used hot and warm experts without sorting the group; its plan
-    equals the one that sorts all of them, ties and unused experts included (and uses of experts
-    outside the group, here another layer's, are ignored)."""
+    equals the one that sorts all of them, ties and unused experts included, over experts of up
+    to three layers (and uses of experts outside the group, here layer 9's, are ignored)."""
     (n, uses, hot, warm, busy, free), max_moves, margin = args
     warm -= hot
-    keys = tuple(K(0, e) for e in range(n))
-    freq = Counter({K(0, e): uses[e] for e in reversed(range(n))})  # counted in no particular order
+    key = [K(layer_of[e], e) for e in range(n)]
+    keys = tuple(key)
+    freq = Counter({key[e]: uses[e] for e in reversed(range(n))})  # counted in no particular order
     if other_layer:
-        freq.update({K(1, e): 100 for e in range(n)})
-    g = GroupState(keys, frozenset(K(0, e) for e in hot), frozenset(K(0, e) for e in warm), free, frozenset(K(0, e) for e in busy))
+        freq.update({K(9, e): 100 for e in range(n)})
+    g = GroupState(keys, frozenset(key[e] for e in hot), frozenset(key[e] for e in warm), free, frozenset(key[e] for e in busy))
     assert plan_moves(freq, g, max_moves=max_moves, margin=margin) == _reference_plan(freq, g, max_moves=max_moves, margin=margin)
+
+
+def test_a_newcomer_replaces_an_equally_unused_hot_expert_of_its_own_layer():
+    """Unused hot experts in every layer: the newcomers take their own layers' (each layer keeps
+    its hot count and its slots), not layer 0's, which ties broken by key alone would drain."""
+    keys = tuple(K(L, e) for L in range(3) for e in range(4))
+    hot = frozenset(K(L, e) for L in range(3) for e in (0, 1))
+    freq = Counter({K(2, 3): 9, K(1, 2): 8, K(2, 2): 7, K(0, 0): 1})
+    moves = plan_moves(freq, GroupState(keys, hot, frozenset(), 0), max_moves=3, margin=0.25)
+    assert [m for m in moves if m.to is Home.GPU] == [Move(K(2, 3), Home.GPU, K(2, 0)), Move(K(1, 2), Home.GPU, K(1, 0)),
+                                                    Move(K(2, 2), Home.GPU, K(2, 1))]
+    # a strictly less used hot expert of another layer still goes first: capacity moves where it pays
+    freq[K(2, 0)] = freq[K(2, 1)] = 1
+    moves = plan_moves(freq, GroupState(keys, hot, frozenset(), 0), max_moves=1, margin=0.25)
+    assert moves == [Move(K(2, 3), Home.GPU, K(0, 1))]
 
 
 @settings(max_examples=200, deadline=None)
