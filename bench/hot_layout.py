@@ -1,0 +1,104 @@
+"""Where the rebalancer leaves the hot experts: per layer, how many, and in how many runs of slots.
+
+    python bench/hot_layout.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
+                               [--fractions 0.25,0.5] [--generates 8] [--tokens 33] [--every 8] --out FILE
+
+A whole-layer call runs one grouped GEMM per run of its layer's hot slots (``tiers.integration``'s
+``_slot_runs``), and its copies are the layer's warm experts, so both the runs and an even
+spread of hot experts over the layers decide what a prefill costs after the rebalancer has
+moved experts. This builds a model of the given layer and expert counts (tiny hidden sizes:
+the plan and the slots do not depend on them), packs it, and for each GPU fraction loads it with
+the rebalancer on (every ``--every`` tokens), routes ``--generates`` generates of ``--tokens``
+tokens by the bench's skewed trace, and reports per layer the hot experts and their slot runs,
+at load and after, with the rebalancer's counts and the GPU hit rate of four more generates.
+
+Runs on the CPU unless ``--device cuda``: the plan is the same, only the decode path differs.
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def layout_summary(table, layers: list[int], num_experts: int) -> dict:
+    """Per layer (in ``layers`` order): the hot experts' count and their slots' runs."""
+    from loader.layout import ExpertKey
+    from tiers.integration import _slot_runs
+
+    hot, runs = [], []
+    for L in layers:
+        slots = sorted(table[ExpertKey(L, e)].slot for e in range(num_experts) if table[ExpertKey(L, e)].pinned)
+        hot.append(len(slots))
+        runs.append(len(_slot_runs(slots)))
+    return {"hot_per_layer": hot, "slot_runs_per_layer": runs}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--fractions", default="0.25,0.5")
+    ap.add_argument("--generates", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if not all(0 < f < 1 for f in fractions):
+        raise SystemExit(f"--fractions: each must lie in (0, 1), got {args.fractions!r}")
+
+    import tiers
+    from loader.pack import pack
+    from tiers.integration import manager_of
+    from tools.measure import TINY, build, expert_bytes_of, scratch_dir, write_result
+    from tools.routing import TraceRouting
+
+    device = torch.device(args.device)
+    shape = dict(TINY[args.model], layers=args.layers, num_experts_per_tok=args.top_k)
+    shape["num_experts" if args.model == "qwen3_moe" else "num_local_experts"] = args.experts
+    work = scratch_dir("tiers-layout-")
+    model = build(args.model, shape, torch.device("cpu"))
+    model.save_pretrained(work / "hf")
+    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False)
+    budget = expert_bytes_of(model)
+    del model
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, shape["vocab_size"], (1, 16), generator=g).to(device)
+    kw = dict(do_sample=False, pad_token_id=0)
+    result = {"command": "python bench/hot_layout.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device), "fractions": {}}
+    for f in fractions:
+        cfg = {"tiers": {"gpu": {"fraction": f}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
+                         "rebalance": {"every_tokens": args.every}}}
+        m = tiers.load(work / "packed", cfg, device=device, progress=False)
+        mgr = manager_of(m)
+        layers = sorted(mgr.manifest.layers)
+        row = {"load": layout_summary(mgr.table, layers, args.experts)}
+        with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
+            for _ in range(args.generates):
+                m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+            row["after"] = layout_summary(mgr.table, layers, args.experts)
+            row["rebalancer"] = mgr.rebalancer.report()
+            mgr.reset_stats()
+            for _ in range(4):
+                m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+            hits = mgr.stats().hits
+        row["gpu_hit_rate_after"] = hits["gpu"] / max(1, sum(hits.values()))
+        result["fractions"][str(f)] = row
+        print(f, json.dumps(row), flush=True)
+        mgr.close()
+        del m
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

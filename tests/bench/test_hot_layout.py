@@ -1,0 +1,31 @@
+"""bench/hot_layout.py: per-layer hot counts and slot runs read from a residency table."""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+from loader.layout import ExpertKey
+from tiers.integration import WINDOW_GAP
+
+_PATH = Path(__file__).resolve().parents[2] / "bench" / "hot_layout.py"
+_spec = importlib.util.spec_from_file_location("hot_layout", _PATH)
+hot_layout = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(hot_layout)
+
+
+@dataclass
+class _Row:
+    pinned: bool
+    slot: int | None
+
+
+def test_layout_counts_hot_experts_and_splits_their_slots_at_gaps():
+    table = {ExpertKey(L, e): _Row(False, None) for L in range(3) for e in range(4)}
+    for e, slot in enumerate((0, 1, 2)):  # layer 0: three neighbouring slots, one run
+        table[ExpertKey(0, e)] = _Row(True, slot)
+    table[ExpertKey(1, 3)] = _Row(True, 3)  # layer 1: two slots a gap apart, two runs
+    table[ExpertKey(1, 0)] = _Row(True, 3 + WINDOW_GAP + 1)
+    table[ExpertKey(2, 1)] = _Row(False, 5)  # a staged (not hot) expert counts for nothing
+    got = hot_layout.layout_summary(table, [0, 1, 2], 4)
+    assert got == {"hot_per_layer": [3, 2, 0], "slot_runs_per_layer": [1, 2, 0]}
