@@ -190,6 +190,8 @@ def parse_arm(name: str) -> tuple[int, str, bool, frozenset[str], str | None]:
     unknown = sorted(names - set(VARIANTS))
     if unknown:
         raise SystemExit(f"--arms: {name!r} has unknown variant(s) {unknown} (known: {', '.join(VARIANTS)})")
+    if "idle" in names and skewed != "@skewed":
+        raise SystemExit(f"--arms: {name!r}: ~idle idles the rebalancer, which only @skewed arms run")
     return int(pct), precision, bool(nodirect), names, skewed
 
 

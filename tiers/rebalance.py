@@ -149,8 +149,9 @@ def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max
     taken: set[ExpertKey] = set()
     moves: list[Move] = []
     for new in newcomers:
-        left = [k for k in (next((k for k in least if k not in taken), None), next((k for k in local[new.layer] if k not in taken), None))
-                if k is not None]
+        overall = next((k for k in least if k not in taken), None)
+        own = next((k for k in local[new.layer] if k not in taken), None)
+        left = [k for k in (overall, own) if k is not None]
         if not left:
             break
         old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))
