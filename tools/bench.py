@@ -18,7 +18,8 @@ layers, by default), saves and packs it, then measures each arm in one run:
   rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off.
 
 Per arm: decode ms/token and tok/s at batch 1 (Tiers arms also against an all-GPU measurement of
-the same routing, its repetitions interleaved with theirs), prefill time, bytes moved per token per source
+the same routing, its repetitions interleaved with theirs; each repetition's pair of decodes is in
+the JSON too), prefill time, bytes moved per token per source
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 ``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
@@ -276,6 +277,10 @@ def run(args) -> dict:
             "rebalance": s.rebalance,
             "prefetch": s.prefetch,
             "host_pinned": bool(s.memory["host_pinned"]),
+            # each repetition's decode, the arm's and its pair's (timed one after the other): how
+            # far the host's slow phases move single repetitions, which the medians above hide
+            "decode_ms_per_rep": [(f - o) / args.tokens * 1e3 for (o, _), (f, _) in zip(one, full)],
+            "paired_decode_ms_per_rep": [(f - o) / args.tokens * 1e3 for o, f in zip(paired_runs[1], paired_runs[args.tokens + 1])],
         }
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -144,6 +145,10 @@ def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path
     assert timed[start : start + 8] == rep * 2, timed
     a = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
     assert a["paired_all_gpu_ms_per_token"] > 0
+    # each repetition's decode; over two repetitions the medians are means, so they agree
+    assert len(a["decode_ms_per_rep"]) == len(a["paired_decode_ms_per_rep"]) == 2
+    assert statistics.mean(a["decode_ms_per_rep"]) == pytest.approx(a["decode_ms_per_token"])
+    assert statistics.mean(a["paired_decode_ms_per_rep"]) == pytest.approx(a["paired_all_gpu_ms_per_token"])
 
 
 def test_paired_timings_alternate_the_arm_and_its_pair():
