@@ -57,18 +57,14 @@ def main() -> int:
         raise SystemExit(f"--fractions: each must lie in (0, 1), got {args.fractions!r}")
 
     import tiers
-    from loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import TINY, build, expert_bytes_of, scratch_dir, write_result
+    from tools.measure import TINY, build_packed, expert_bytes_of, scratch_dir, write_result
     from tools.routing import TraceRouting
 
     device = torch.device(args.device)
     shape = dict(TINY[args.model], layers=args.layers, num_experts_per_tok=args.top_k)
     shape["num_experts" if args.model == "qwen3_moe" else "num_local_experts"] = args.experts
-    work = scratch_dir("tiers-layout-")
-    model = build(args.model, shape, torch.device("cpu"))
-    model.save_pretrained(work / "hf")
-    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False)
+    model, packed = build_packed(args.model, args.layers, torch.device("cpu"), scratch_dir("tiers-layout-"), shape=shape)
     budget = expert_bytes_of(model)
     del model
     g = torch.Generator().manual_seed(1)
@@ -78,7 +74,7 @@ def main() -> int:
     for f in fractions:
         cfg = {"tiers": {"gpu": {"fraction": f}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
                          "rebalance": {"every_tokens": args.every}}}
-        m = tiers.load(work / "packed", cfg, device=device, progress=False)
+        m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
         layers = sorted(mgr.manifest.layers)
         row = {"load": layout_summary(mgr.table, layers, args.experts)}

@@ -172,12 +172,12 @@ def shape_of(model_type: str, layers: int, device: torch.device) -> dict:
     return dict((SHAPES if device.type == "cuda" else TINY)[model_type], layers=layers)
 
 
-def build_packed(model_type: str, layers: int, device: torch.device, work):
-    """A model of ``shape_of``'s shape, and its pack in both precisions under ``work/packed``
-    (the checkpoint goes through ``work/hf``)."""
+def build_packed(model_type: str, layers: int, device: torch.device, work, shape: dict | None = None):
+    """A model of ``shape_of``'s shape (or ``shape``, layers included), and its pack in both
+    precisions under ``work/packed`` (the checkpoint goes through ``work/hf``)."""
     from loader.pack import pack
 
-    model = build(model_type, shape_of(model_type, layers, device), device)
+    model = build(model_type, shape or shape_of(model_type, layers, device), device)
     model.save_pretrained(work / "hf")
     pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
     return model, work / "packed"
