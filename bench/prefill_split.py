@@ -10,7 +10,15 @@ call reads its whole layer without a sync, ``off``: none does; ``auto``: as the 
 the default), : buffers (how many buffers a whole-layer call splits its slots into), : plan
 (``copy``, the default, or ``compute``: the stream a whole-layer call uploads its plan on) and
 : dequant (``kernel``, the default, or ``torch``: how INT8 stacks are dequantized on CUDA,
-``quant.int8.USE_KERNEL``, set before each of the config's prefills);
+``quant.int8.USE_KERNEL``, set before each of the config's prefills) and : route
+(``uniform``, the default: the random-weight routers; ``skewed``: the bench's skewed trace,
+``tools.routing.TraceRouting``; ``rebal``: the same with the rebalancer on, every
+``--rebalance-every`` tokens, after ``--warm-generates`` decode generates of 33 tokens have let
+it move experts; ``rebal-frozen``: as ``rebal``, then every read in flight landed and no later
+interval closing, so the prefills see the moved experts and no rebalance work; skewed routes
+also report the hot experts per layer and their slot runs, ``layout``); the untiered model keeps
+its own routers, so a skewed config's bound takes the uniform all-GPU prefill (below the bytes
+bound at these budgets);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -208,6 +216,25 @@ def instrument(model, mgr, marks: Marks) -> list:
     return undo
 
 
+ROUTES = ("uniform", "skewed", "rebal", "rebal-frozen")
+
+
+def parse_spec(spec: str) -> dict:
+    """``precision:staging:depth:fraction[:whole[:buffers[:plan[:dequant[:route]]]]]`` -> its fields,
+    the optional ones defaulted; a field outside its choices is refused, naming the spec."""
+    fields = spec.split(":")
+    if not 4 <= len(fields) <= 9:
+        raise SystemExit(f"{spec}: expected 4 to 9 ':'-separated fields, got {len(fields)}")
+    precision, staging, depth, fraction, *rest = fields
+    whole, buffers, plan, dequant, route = (rest + ["auto", "", "copy", "kernel", "uniform"][len(rest):])[:5]
+    for name, value, allowed in (("whole", whole, ("auto", "on", "off")), ("plan", plan, ("copy", "compute")),
+                                 ("dequant", dequant, ("kernel", "torch")), ("route", route, ROUTES)):
+        if value not in allowed:
+            raise SystemExit(f"{spec}: the {name} field is one of {', '.join(allowed)}, not {value!r}")
+    return {"precision": precision, "staging": staging, "depth": depth, "fraction": float(fraction), "whole": whole,
+            "buffers": int(buffers) if buffers else None, "plan": plan, "dequant": dequant, "route": route}
+
+
 # the engine's steps timed on the host (TierManager attributes)
 STEPS = ("begin_call", "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "upload_int_lists",
          "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "read_ahead", "stage_ahead", "note_used", "note_prediction",
@@ -222,21 +249,27 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--configs", default="int8:auto:0:0.25,int8:auto:0:0.5",
                     help="comma-separated precision:staging_slots:prefetch_depth:gpu_fraction")
+    ap.add_argument("--rebalance-every", type=int, default=8, help="rebal routes: rebalance every this many tokens (as tools/bench.py)")
+    ap.add_argument("--warm-generates", type=int, default=16, help="rebal routes: decode generates of 33 tokens before timing")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    specs = {spec: parse_spec(spec) for spec in args.configs.split(",")}  # a bad spec is refused before anything runs
 
     import tiers
     import tiers.integration as integration
     from bench.decode_split import Steps
     from quant import int8 as int8_scheme
     from tiers.integration import manager_of
+    from bench.hot_layout import layout_summary
     from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
+    from tools.routing import TraceRouting
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     work = scratch_dir("tiers-prefill-split-")
     plain, packed = build_packed(args.model, args.layers, device, work)
     ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
+    prompt = ids[:, :16]  # the rebal routes' decode generates
     result = {"command": "python bench/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
               "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
@@ -254,25 +287,36 @@ def main() -> int:
         b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
     print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
-    for spec in args.configs.split(","):
-        precision, staging, depth, fraction, *rest = spec.split(":")
-        whole, buffers, plan, dequant = (rest + ["auto", "", "copy", "kernel"][len(rest):])[:4]
-        if dequant not in ("kernel", "torch"):
-            raise SystemExit(f"{spec}: the dequant field is kernel or torch, not {dequant!r}")
-        cfg = warm_config(precision, staging, depth, float(fraction))
+    layouts = {}
+    n_experts = getattr(plain.config, "num_local_experts", None) or plain.config.num_experts
+    for spec, f in specs.items():
+        cfg = warm_config(f["precision"], f["staging"], f["depth"], f["fraction"])
+        if f["route"].startswith("rebal"):
+            cfg["tiers"]["rebalance"] = {"every_tokens": args.rebalance_every}
         m = tiers.load(packed, cfg, device=device, progress=False)
-        if whole == "on":
-            manager_of(m).WHOLE_LAYER_USED = 0.0  # whatever share of its warm experts the last long call used
-        elif whole == "off":
-            manager_of(m).whole_calls = False
-        if buffers:
-            manager_of(m).WHOLE_BUFFERS = int(buffers)
-        if plan not in ("copy", "compute"):
-            raise SystemExit(f"{spec}: the plan field is copy or compute, not {plan!r}")
-        manager_of(m).WHOLE_PLAN_ON_COPY = plan == "copy"
-        int8_scheme.USE_KERNEL = dequant == "kernel"
+        mgr = manager_of(m)
+        if f["whole"] == "on":
+            mgr.WHOLE_LAYER_USED = 0.0  # whatever share of its warm experts the last long call used
+        elif f["whole"] == "off":
+            mgr.whole_calls = False
+        if f["buffers"]:
+            mgr.WHOLE_BUFFERS = f["buffers"]
+        mgr.WHOLE_PLAN_ON_COPY = f["plan"] == "copy"
+        int8_scheme.USE_KERNEL = f["dequant"] == "kernel"
+        if f["route"] != "uniform":  # stays on for the run: each call takes the trace's next rows
+            TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=max(4096, 2 * args.prefill))
+            layers = sorted(mgr.manifest.layers)
+            layouts[spec] = {"load": layout_summary(mgr.table, layers, n_experts)}
+            if f["route"].startswith("rebal"):
+                for _ in range(args.warm_generates):
+                    m.generate(prompt, max_new_tokens=33, min_new_tokens=33, do_sample=False, pad_token_id=0)
+            if f["route"] == "rebal-frozen":
+                mgr.settle()
+                mgr.rebalancer.land(wait=True)
+                mgr.rebalancer.window.every = 1 << 62  # no interval closes from here on
+            layouts[spec]["timed"] = layout_summary(mgr.table, layers, n_experts)
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
-        loaded[spec] = (cfg, m, manager_of(m), dequant == "kernel")
+        loaded[spec] = (cfg, m, mgr, f["dequant"] == "kernel")
     reps = {spec: [] for spec in loaded}
     for _ in range(args.reps):
         gpu = prefill_seconds(plain, ids, device, 1)
@@ -320,6 +364,11 @@ def main() -> int:
             med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
         pool = mgr.pool_of[min(mgr.pool_of)]
         result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r}
+        if spec in layouts:
+            result["configs"][spec]["layout"] = layouts[spec] | {"end": layout_summary(mgr.table, sorted(mgr.manifest.layers), n_experts)}
+            if mgr.rebalancer is not None:
+                result["configs"][spec]["rebalancer"] = mgr.rebalancer.report()
+            print("   layout", json.dumps(result["configs"][spec]["layout"]), flush=True)
         print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, (dict, list))}), json.dumps(med["prefetch"]), flush=True)
         for part in ("total", "median", "host_steps_ms", "host_step_calls"):
             print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)

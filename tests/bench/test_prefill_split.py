@@ -83,3 +83,41 @@ def test_layers_without_copies_have_no_copy_figures():
     assert got["total"]["streamed_layers"] == 0 and got["total"]["copy_ms"] == 0
     assert "copy_ms" not in got["median"] and math.isclose(got["median"]["host_attn_ms"], 0.75)
     assert math.isclose(got["layers"][0]["host_layer_ms"], 2.5)
+
+
+def test_specs_default_their_optional_fields_and_refuse_unknown_choices():
+    got = prefill_split.parse_spec("int8:auto:0:0.5")
+    assert got == {"precision": "int8", "staging": "auto", "depth": "0", "fraction": 0.5, "whole": "auto", "buffers": None,
+                   "plan": "copy", "dequant": "kernel", "route": "uniform"}
+    got = prefill_split.parse_spec("bf16:24:1:0.25:on:3:compute:torch:rebal-frozen")
+    assert (got["buffers"], got["plan"], got["dequant"], got["route"]) == (3, "compute", "torch", "rebal-frozen")
+    for bad, word in (("int8:auto:0:0.5:auto::copy:kernel:zipf", "route"), ("int8:auto:0:0.5:maybe", "whole"),
+                      ("int8:auto:0", "fields"), ("int8:auto:0:0.5:auto::copy:kernel:skewed:x", "fields")):
+        try:
+            prefill_split.parse_spec(bad)
+        except SystemExit as e:
+            assert word in str(e) and bad in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_a_frozen_rebalancer_moves_nothing_while_timed(tmp_path, monkeypatch):
+    """End to end on the CPU (tiny shapes): the rebalancer moves experts while its config warms
+    up; frozen, it lands every read before timing and moves nothing after, where the live one
+    keeps moving; skewed configs report their layouts."""
+    import json
+    import sys
+
+    out = tmp_path / "split.json"
+    live, frozen = "int8:auto:0:0.5:auto::copy:kernel:rebal", "int8:auto:0:0.5:auto::copy:kernel:rebal-frozen"
+    monkeypatch.setattr(sys, "argv", ["prefill_split", "--layers", "3", "--prefill", "256", "--reps", "2", "--warm-generates", "2",
+                                      "--configs", f"{live},{frozen}", "--out", str(out)])
+    assert prefill_split.main() == 0
+    got = json.loads(out.read_text())["configs"]
+    for spec in (live, frozen):
+        lay = got[spec]["layout"]
+        assert lay["load"] != lay["timed"]  # the warm-up's generates moved hot experts between layers
+        assert got[spec]["config"]["tiers"]["rebalance"] == {"every_tokens": 8}
+    assert got[frozen]["layout"]["timed"] == got[frozen]["layout"]["end"]
+    assert got[frozen]["rebalancer"]["in_flight"] == 0
+    assert got[live]["rebalancer"]["rebalances"] > got[frozen]["rebalancer"]["rebalances"]
