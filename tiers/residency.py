@@ -36,6 +36,7 @@ class Op(str, Enum):
     DEMOTE = "demote"  # rebalancer: a hot expert gives its slot up and lives on disk (nvme) again
     WARM = "warm"  # rebalancer: an nvme expert's blob landed in the host pool at ``offset``
     COOL = "cool"  # rebalancer: a warm expert's host bytes are given to another; it lives on disk
+    MOVE = "move"  # rebalancer: a warm expert's blob was copied to another place in the host pool, ``offset``
 
 
 class IllegalTransition(RuntimeError):
@@ -61,7 +62,7 @@ _EDGES = {
     (SlotState.LOADING, Op.DEMOTE): SlotState.ABSENT,
     (SlotState.READY, Op.DEMOTE): SlotState.ABSENT,
 }
-_HOME_OPS = {Op.WARM: Home.NVME, Op.COOL: Home.CPU}  # op -> the home it starts from (slot state unchanged)
+_HOME_OPS = {Op.WARM: Home.NVME, Op.COOL: Home.CPU, Op.MOVE: Home.CPU}  # op -> the home it starts from (slot state unchanged)
 _KEEP = object()
 
 
@@ -84,9 +85,9 @@ def transition(r: Residency, op: Op, slot: int | None = None, offset: int | None
             raise IllegalTransition(f"{op.value}: a hot (pinned) expert lives on the gpu; demote it first")
         if r.home is not _HOME_OPS[op]:
             raise IllegalTransition(f"{op.value} needs home {_HOME_OPS[op].value}, not {r.home.value}")
-        if op is Op.WARM:
+        if op in (Op.WARM, Op.MOVE):
             if offset is None:
-                raise IllegalTransition("warm needs a host offset")
+                raise IllegalTransition(f"{op.value} needs a host offset")
             return replace(r, home=Home.CPU, host_offset=offset)
         return replace(r, home=Home.NVME, host_offset=None)
     nxt = _EDGES.get((r.state, op))

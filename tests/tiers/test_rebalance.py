@@ -399,6 +399,32 @@ def test_swaps_land_between_forwards_only(packed_factory, truth):
     mgr.close()
 
 
+def _free_places(rb) -> list[int]:
+    """Host places no warm expert holds now: spares, places being read into or copied to, free ones."""
+    return ([o for spares in rb.spares.values() for o in spares] + [r.spare for r in rb.hot_reads.values()]
+            + [o for _, o in rb.warm_reads.values()] + [place for _, _, place in rb.relocations.values()]
+            + [o for places in rb.free_places.values() for o in places])
+
+
+def test_a_demoted_expert_takes_the_place_its_newcomer_left(packed_factory, truth):
+    """A swap reads the outgoing expert into a spare place; once nothing reads the newcomer's old
+    place any more the outgoing one is copied there, and the spare is free again: each layer's
+    warm experts keep the places load gave them, so a part's reads stay back to back."""
+    mgr = manager(packed_factory("mixtral"), every=1, max_moves=1)
+    newcomer = next(K(0, e) for e in range(8) if mgr.table[K(0, e)].home is Home.CPU)
+    place = mgr.table[newcomer].host_offset
+    spares0 = sorted(o for sp in mgr.rebalancer.spares.values() for o in sp)
+    mgr.rebalancer.window.count([newcomer] * 5 + [k for k, r in mgr.table.items() if r.pinned and k.layer != 0] * 20)
+    victim = next(iter(mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency()))).replaces
+    assert victim.layer == 0
+    mgr.rebalancer.land(wait=True)
+    assert mgr.table[newcomer].pinned and mgr.table[victim].host_offset == place
+    assert sorted(o for sp in mgr.rebalancer.spares.values() for o in sp) == spares0 and not mgr.rebalancer.relocations
+    drive(mgr, [(0, [victim.expert])], truth)  # served exactly from its new place
+    assert mgr.stats().hits["cpu"] >= 1
+    mgr.close()
+
+
 # -- the whole engine under random calls, rebalances and landings ---------------------------------
 engine_steps = st.lists(
     st.one_of(
@@ -419,6 +445,7 @@ def test_random_calls_and_moves_keep_every_invariant(packed_factory, truth, step
     mgr = manager(packed_factory("mixtral"), every=10**6, max_moves=2)  # rounds only when the test says
     hot0 = sum(r.pinned for _, r in mgr.table.items())
     warm0 = sum(r.home is Home.CPU for _, r in mgr.table.items())
+    places0 = sorted([r.host_offset for _, r in mgr.table.items() if r.host_offset is not None] + _free_places(mgr.rebalancer))
     try:
         for step in steps:
             if step[0] == "call":
@@ -439,6 +466,7 @@ def test_random_calls_and_moves_keep_every_invariant(packed_factory, truth, step
             assert sum(r.home is Home.CPU for r in table.values()) <= warm0
             offsets = [r.host_offset for r in table.values() if r.host_offset is not None]
             assert len(offsets) == len(set(offsets))
+            assert sorted(offsets + _free_places(mgr.rebalancer)) == places0, "a host place leaked or is held twice"
             for k, r in table.items():
                 assert r.pinned == (r.home is Home.GPU)
                 assert (r.home is Home.CPU) == (r.host_offset is not None)

@@ -15,8 +15,10 @@ and the rebalancer's ops, which change homes:
     loading|ready, pinned --demote------->  absent, not pinned, home nvme, no host offset
     home nvme, not pinned --warm(offset)->  home cpu at offset (slot state unchanged)
     home cpu, not pinned  --cool--------->  home nvme, no host offset (slot state unchanged)
+    home cpu, not pinned  --move(offset)->  home cpu at offset (slot state unchanged)
 
-Everything else raises ``IllegalTransition``; place_hot, stage and promote need a slot, warm an offset.
+Everything else raises ``IllegalTransition``; place_hot, stage and promote need a slot, warm and
+move an offset.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ MODEL_EDGES = {
     ("ready", "evict"): "absent",
 }
 NEEDS_SLOT = {"place_hot", "stage"}
-HOME_CHANGES = {"promote", "demote", "warm", "cool"}
+HOME_CHANGES = {"promote", "demote", "warm", "cool", "move"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,10 @@ def model_step(m: ModelEntry, op: str, slot: int | None, offset: int | None = No
         if m.pinned or m.home != "cpu":
             return None
         return ModelEntry("nvme", None, m.state, m.slot, m.pinned)
+    if op == "move":
+        if m.pinned or m.home != "cpu" or offset is None:
+            return None
+        return ModelEntry("cpu", offset, m.state, m.slot, m.pinned)
     nxt = MODEL_EDGES.get((m.state, op))
     if nxt is None:
         return None
@@ -301,3 +307,18 @@ def test_staging_cycle():
         with pytest.raises(IllegalTransition):
             t.apply(k, Op.EVICT)
     assert t[ExpertKey(0, 1)] == hot
+
+
+def test_a_move_changes_the_place_and_the_versions_copies_compare():
+    """A warm expert moved within the host pool keeps its home and slot; the table's versions
+    move on, so direct decode's device tables (which hold host places) are rebuilt."""
+    k = ExpertKey(1, 0)
+    t = ResidencyTable({k: Residency(home=Home.CPU, host_offset=8192), ExpertKey(0, 0): Residency(home=Home.CPU, host_offset=0)})
+    t.apply(k, Op.STAGE, 2)
+    version, layer = t.homes_version, t.layer_versions.get(1, 0)
+    moved = t.apply(k, Op.MOVE, offset=4096 * 7)
+    assert (moved.home, moved.host_offset, moved.slot, moved.state) == (Home.CPU, 4096 * 7, 2, L)
+    assert t.homes_version == version + 1 and t.layer_versions[1] == layer + 1
+    assert k in t.warm and t.layer_versions.get(0, 0) == 0
+    with pytest.raises(IllegalTransition):
+        t.apply(k, Op.MOVE)  # no place given

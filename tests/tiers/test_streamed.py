@@ -295,6 +295,53 @@ def test_a_streamed_int8_part_is_one_stack_with_a_copy_per_run_of_adjacent_blobs
     _assert_consistent(mgr)
 
 
+def test_a_streamed_call_reads_its_misses_in_host_pool_order(device, packed_factory):
+    """The rebalancer moves warm experts between host places (a demoted expert takes its
+    newcomer's place): a streamed call takes its misses in the order of their places, so its
+    parts copy as few runs as before such a swap, and each slot still holds its own expert."""
+    from test_integrity import decoded
+
+    from tiers.residency import Op
+
+    packed = packed_factory("qwen3_moe")
+    mgr = manager_of(tiers.load(packed, _cfg("int8"), device=device, progress=False))
+    mgr.stream_direct = False
+    copies = []
+    check = mgr._check_pinned
+    mgr._check_pinned = lambda src: copies.append(src.numel()) or check(src)
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+
+    def stream() -> list[list[int]]:
+        copies.clear()
+        s = mgr.begin_stream(layer, list(range(8)))
+        for p in range(len(s.parts)):
+            mgr.stream_part(s, p)
+            mgr.wait_part(s, p)
+            for e, slot in zip(s.parts[p], s.slots(p)):
+                want = decoded(packed, ExpertKey(layer, e), "int8", device)
+                assert all(torch.equal(s.pool.tensors(slot)[n], want[n]) for n in want), f"expert {e}"
+            mgr.end_part(s, p)
+        mgr.end_stream(s)
+        return s.parts
+
+    before = stream()
+    n_copies = len(copies)
+    warm = sorted(e for p in before for e in p)
+    a, b = ExpertKey(layer, warm[0]), ExpertKey(layer, warm[-1])  # swap the first and last warm experts' places
+    oa, ob = mgr.table[a].host_offset, mgr.table[b].host_offset
+    n = mgr.manifest.ref(a, "int8").nbytes
+    blob_a = mgr.host.view(oa, n).clone()
+    mgr.host.view(oa, n).copy_(mgr.host.view(ob, n))
+    mgr.host.view(ob, n).copy_(blob_a)
+    mgr.table.apply(a, Op.MOVE, offset=ob)
+    mgr.table.apply(b, Op.MOVE, offset=oa)
+    after = stream()
+    offs = [mgr.table[ExpertKey(layer, e)].host_offset for p in after for e in p]
+    assert offs == sorted(offs), after
+    assert len(copies) == n_copies, "the swap split the parts' runs"
+    _assert_consistent(mgr)
+
+
 def test_a_streamed_int8_part_copies_into_rows_only_after_their_last_dequantization(packed_factory):
     """Recording streams: before a part's first copy the copy stream waits on the last
     dequantization of every transit row the part writes (rows are reused part after part)."""
