@@ -1,7 +1,8 @@
 """Where the rebalancer leaves the hot experts: per layer, how many, and in how many runs of slots.
 
     python bench/hot_layout.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
-                               [--fractions 0.25,0.5] [--generates 8] [--tokens 33] [--every 8] --out FILE
+                               [--fractions 0.25,0.5] [--generates 8] [--tokens 33] [--every 8]
+                               [--prefill 2048] --out FILE
 
 A whole-layer call runs one grouped GEMM per run of its layer's hot slots (``tiers.integration``'s
 ``_slot_runs``), and its copies are the layer's warm experts, so both the runs and an even
@@ -10,7 +11,10 @@ moved experts. This builds a model of the given layer and expert counts (tiny hi
 the plan and the slots do not depend on them), packs it, and for each GPU fraction loads it with
 the rebalancer on (every ``--every`` tokens), routes ``--generates`` generates of ``--tokens``
 tokens by the bench's skewed trace, and reports per layer the hot experts and their slot runs,
-at load and after, with the rebalancer's counts and the GPU hit rate of four more generates.
+at load and after, with the rebalancer's counts and the GPU hit rate of four more generates;
+also the runs of each layer's warm host places that lie back to back, and (``--prefill N``, 0:
+off) the host-to-GPU copies one forward of N tokens queues, at load and after (routed by the
+trace too, so the trace's rows shift by N): a streamed part copies each run of its reads at once.
 
 Runs on the CPU unless ``--device cuda``: the plan is the same, only the decode path differs.
 """
@@ -26,17 +30,44 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 
-def layout_summary(table, layers: list[int], num_experts: int) -> dict:
-    """Per layer (in ``layers`` order): the hot experts' count and their slots' runs."""
+def layout_summary(table, layers: list[int], num_experts: int, place: int | None = None) -> dict:
+    """Per layer (in ``layers`` order): the hot experts' count and their slots' runs; with
+    ``place`` (bytes from one warm place to the next, a transit row), also the runs of the warm
+    experts' host places lying back to back, each one copy when a streamed part reads them all."""
     from loader.layout import ExpertKey
     from tiers.integration import _slot_runs
 
-    hot, runs = [], []
+    hot, runs, warm_runs = [], [], []
     for L in layers:
-        slots = sorted(table[ExpertKey(L, e)].slot for e in range(num_experts) if table[ExpertKey(L, e)].pinned)
+        rows = [table[ExpertKey(L, e)] for e in range(num_experts)]
+        slots = sorted(r.slot for r in rows if r.pinned)
         hot.append(len(slots))
         runs.append(len(_slot_runs(slots)))
-    return {"hot_per_layer": hot, "slot_runs_per_layer": runs}
+        offs = sorted(r.host_offset for r in rows if r.host_offset is not None)
+        warm_runs.append(sum(i == 0 or o != offs[i - 1] + place for i, o in enumerate(offs)) if place else 0)
+    out = {"hot_per_layer": hot, "slot_runs_per_layer": runs}
+    return out | ({"warm_place_runs_per_layer": warm_runs} if place else {})
+
+
+def prefill_copies(model, ids) -> int:
+    """Host-to-GPU copies (each one transit-row copy, ``_transit_row``) one forward of ``ids`` queues."""
+    from tiers.integration import manager_of
+
+    mgr = manager_of(model)
+    n = 0
+    row = mgr._transit_row
+
+    def counted(*a, **k):
+        nonlocal n
+        n += 1
+        return row(*a, **k)
+    mgr._transit_row = counted
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        del mgr._transit_row
+    return n
 
 
 def main() -> int:
@@ -49,6 +80,7 @@ def main() -> int:
     ap.add_argument("--generates", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=2048, help="tokens of the forward whose copies are counted (0: none)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -69,6 +101,7 @@ def main() -> int:
     del model
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, shape["vocab_size"], (1, 16), generator=g).to(device)
+    ids = torch.randint(0, shape["vocab_size"], (1, args.prefill), generator=g).to(device) if args.prefill else None
     kw = dict(do_sample=False, pad_token_id=0)
     result = {"command": "python bench/hot_layout.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device), "fractions": {}}
     for f in fractions:
@@ -77,16 +110,20 @@ def main() -> int:
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
         layers = sorted(mgr.manifest.layers)
-        row = {"load": layout_summary(mgr.table, layers, args.experts)}
+        place = mgr.transit[id(mgr.pools[0])].shape[1]
+        row = {"load": layout_summary(mgr.table, layers, args.experts, place)}
         with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
+            copies = prefill_copies(m, ids) if ids is not None else None
             for _ in range(args.generates):
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
-            row["after"] = layout_summary(mgr.table, layers, args.experts)
+            row["after"] = layout_summary(mgr.table, layers, args.experts, place)
             row["rebalancer"] = mgr.rebalancer.report()
             mgr.reset_stats()
             for _ in range(4):
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
             hits = mgr.stats().hits
+            if ids is not None:
+                row["prefill_copies"] = {"load": copies, "after": prefill_copies(m, ids)}
         row["gpu_hit_rate_after"] = hits["gpu"] / max(1, sum(hits.values()))
         result["fractions"][str(f)] = row
         print(f, json.dumps(row), flush=True)

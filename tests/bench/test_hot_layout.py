@@ -18,6 +18,7 @@ _spec.loader.exec_module(hot_layout)
 class _Row:
     pinned: bool
     slot: int | None
+    host_offset: int | None = None
 
 
 def test_layout_counts_hot_experts_and_splits_their_slots_at_gaps():
@@ -29,3 +30,16 @@ def test_layout_counts_hot_experts_and_splits_their_slots_at_gaps():
     table[ExpertKey(2, 1)] = _Row(False, 5)  # a staged (not hot) expert counts for nothing
     got = hot_layout.layout_summary(table, [0, 1, 2], 4)
     assert got == {"hot_per_layer": [3, 2, 0], "slot_runs_per_layer": [1, 2, 0]}
+
+
+def test_layout_counts_runs_of_warm_places_lying_back_to_back():
+    """With the place size: per layer, the warm experts' host places sorted, split where one
+    does not start where the one before ends; hot experts have none."""
+    table = {ExpertKey(L, e): _Row(True, L * 4 + e) for L in range(2) for e in range(4)}
+    for e, off in enumerate((300, 100, 200)):  # layer 0: three places back to back, in any expert order
+        table[ExpertKey(0, e)] = _Row(False, None, off)
+    for e, off in ((0, 0), (2, 200)):  # layer 1: two places with a hole between them
+        table[ExpertKey(1, e)] = _Row(False, None, off)
+    got = hot_layout.layout_summary(table, [0, 1], 4, place=100)
+    assert got["warm_place_runs_per_layer"] == [1, 2] and got["hot_per_layer"] == [1, 2]
+    assert "warm_place_runs_per_layer" not in hot_layout.layout_summary(table, [0, 1], 4)
