@@ -410,6 +410,18 @@ def baseline(result: dict, name: str) -> dict:
     return out
 
 
+def rep_overhead_ms(row: dict) -> float | None:
+    """The median over repetitions of (the arm's decode ms/token - its paired all-GPU model's in
+    the same repetition): each difference is taken within one repetition, so a slow phase of the
+    host that falls on one repetition moves both of its terms, where the difference of the two
+    medians can pair a fast repetition of one with a slow one of the other. None without the
+    per-repetition lists."""
+    arm, pair = row.get("decode_ms_per_rep"), row.get("paired_decode_ms_per_rep")
+    if not arm or not pair or len(arm) != len(pair):
+        return None
+    return statistics.median(a - b for a, b in zip(arm, pair))
+
+
 def add_bounds(result: dict) -> dict:
     """Per Tiers arm: the decode bound (all-GPU ms/token of the same routing + moved bytes / 55 GB/s),
     the overhead over it, and the prefill bound max(all-GPU prefill, prefill bytes / 55 GB/s)."""
@@ -425,6 +437,10 @@ def add_bounds(result: dict) -> dict:
             if pair is not None:  # against the all-GPU measurement interleaved with the arm's
                 row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
                 row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
+            reps = rep_overhead_ms(row)
+            if reps is not None:  # each repetition's arm less its pair, timed one after the other
+                row["rep_overhead_ms_per_token"] = reps
+                row["rep_overhead_over_bytes_bound"] = reps / (moved / H2D_BYTES_PER_S * 1e3) if moved else None
             if baseline_.get("prefill_s") is not None:
                 row["prefill_bound_s"] = max(baseline_["prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
                 row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
@@ -470,6 +486,14 @@ def markdown(r: dict) -> str:
             f"{a['prefetch']['accuracy']:.2f}" if a.get("prefetch", {}).get("issued") else "-",
             f"{a['gpu_peak_bytes'] / 2**30:.1f}" if "gpu_peak_bytes" in a else "-",
         ]) + " |")
+    reps = [(name, a) for name, a in r["arms"].items() if a.get("rep_overhead_ms_per_token") is not None]
+    if reps:
+        lines += ["", "Decode overhead per repetition: the median over repetitions of the arm's ms/token less its paired all-GPU "
+                  "model's in the same repetition, and that over the bytes bound:", "",
+                  "| arm | overhead ms/token | over bytes bound |", "|---|---|---|"]
+        lines += [f"| {name} | {a['rep_overhead_ms_per_token']:.2f} | "
+                  + ("-" if a.get("rep_overhead_over_bytes_bound") is None else f"{a['rep_overhead_over_bytes_bound']:.2f}") + " |"
+                  for name, a in reps]
     if r.get("cache_replay"):
         lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
                   "| trace | lookups | belady | lru | lfu | forecast | markov | forecast / belady | markov / belady |",

@@ -39,7 +39,26 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert replay_hits <= optimum
     for row in r["cache_replay"].values():
         assert all(row[p] <= row["belady"] for p in ("lru", "lfu", "forecast", "markov"))
-    assert "| tiers_25_int8 |" in (tmp_path / "bench-mixtral-tiny.md").read_text()
+    md = (tmp_path / "bench-mixtral-tiny.md").read_text()
+    assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md
+
+
+def test_rep_overhead_is_the_median_of_differences_within_repetitions():
+    """Repetitions on a host whose speed changes: the median of the per-repetition differences
+    keeps the arm's true 1 ms overhead, the difference of the medians does not."""
+    arm = [11.0, 11.0, 21.0, 21.0, 21.0]  # two fast repetitions, three slow
+    pair = [10.0, 10.0, 10.0, 20.0, 20.0]  # its pair was fast in a slow repetition of the arm
+    row = {"decode_ms_per_rep": arm, "paired_decode_ms_per_rep": pair}
+    assert bench.rep_overhead_ms(row) == pytest.approx(1.0)
+    assert statistics.median(arm) - statistics.median(pair) == pytest.approx(11.0)
+    assert bench.rep_overhead_ms({"decode_ms_per_rep": arm}) is None
+    assert bench.rep_overhead_ms({"decode_ms_per_rep": arm, "paired_decode_ms_per_rep": pair[:3]}) is None
+    moved = 55e9 * 2e-3  # bytes a 2 ms bound moves
+    r = {"arms": {"all_gpu": {"decode_ms_per_token": 10.0, "prefill_s": 0.03},
+                  "tiers_25_int8": {"decode_ms_per_token": 21.0, "paired_all_gpu_ms_per_token": 10.0, "bytes_moved_per_token": {"cpu": moved},
+                                    "prefill_s": 0.05, "prefill_bytes_moved": 0.0, **row}}}
+    t = bench.add_bounds(r)["arms"]["tiers_25_int8"]
+    assert t["rep_overhead_ms_per_token"] == pytest.approx(1.0) and t["rep_overhead_over_bytes_bound"] == pytest.approx(0.5)
 
 
 def test_baseline_is_the_faster_all_gpu_measurement_of_the_same_routing():
