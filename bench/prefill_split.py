@@ -258,9 +258,9 @@ def main() -> int:
     import tiers
     import tiers.integration as integration
     from bench.decode_split import Steps
+    from bench.hot_layout import layout_summary
     from quant import int8 as int8_scheme
     from tiers.integration import manager_of
-    from bench.hot_layout import layout_summary
     from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
     from tools.routing import TraceRouting
 
