@@ -406,11 +406,17 @@ def _free_places(rb) -> list[int]:
             + [o for places in rb.free_places.values() for o in places])
 
 
-def test_a_demoted_expert_takes_the_place_its_newcomer_left(packed_factory, truth):
+@pytest.mark.parametrize("threads", [2, 0])
+def test_a_demoted_expert_takes_the_place_its_newcomer_left(packed_factory, truth, threads):
     """A swap reads the outgoing expert into a spare place; once nothing reads the newcomer's old
     place any more the outgoing one is copied there, and the spare is free again: each layer's
-    warm experts keep the places load gave them, so a part's reads stay back to back."""
-    mgr = manager(packed_factory("mixtral"), every=1, max_moves=1)
+    warm experts keep the places load gave them, so a part's reads stay back to back. Without
+    reader threads the copy runs on the serving thread."""
+    cfg = load_config({"tiers": BF16 | {"nvme": {"precision": "bf16", "reader_threads": threads},
+                                        "rebalance": {"every_tokens": 1, "margin": 0.0, "max_moves": 1}}})
+    manifest = read_manifest(packed_factory("mixtral"))
+    mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), progress=False)
+    assert (mgr.rebalancer.pool is None) == (threads == 0)
     newcomer = next(K(0, e) for e in range(8) if mgr.table[K(0, e)].home is Home.CPU)
     place = mgr.table[newcomer].host_offset
     spares0 = sorted(o for sp in mgr.rebalancer.spares.values() for o in sp)
