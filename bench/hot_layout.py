@@ -50,23 +50,24 @@ def layout_summary(table, layers: list[int], num_experts: int, place: int | None
 
 
 def prefill_copies(model, ids) -> int:
-    """Host-to-GPU copies (each one transit-row copy, ``_transit_row``) one forward of ``ids`` queues."""
+    """Host-to-GPU copies of expert bytes one forward of ``ids`` queues: each is checked for a
+    pinned source once (``_check_pinned``; on CUDA the index uploads are checked too)."""
     from tiers.integration import manager_of
 
     mgr = manager_of(model)
     n = 0
-    row = mgr._transit_row
+    check = mgr._check_pinned
 
-    def counted(*a, **k):
+    def counted(src):
         nonlocal n
         n += 1
-        return row(*a, **k)
-    mgr._transit_row = counted
+        return check(src)
+    mgr._check_pinned = counted
     try:
         with torch.no_grad():
             model(ids)
     finally:
-        del mgr._transit_row
+        del mgr._check_pinned
     return n
 
 

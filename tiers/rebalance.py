@@ -320,7 +320,7 @@ class Rebalancer:
         were placed side by side at load, and a streamed part copies each run of them that lies
         back to back with one copy: were every demoted expert left in the spare it was read into,
         each swap would split two runs (a model of 12 layers of 128 experts went from one run
-        per layer to 15-33 after about 150 swaps, ``bench/hot_layout.py``)."""
+        per layer to 15-31 after 156 swaps, ``bench/hot_layout.py``)."""
         mgr = self.mgr
         nbytes = mgr.manifest.ref(key, mgr.cfg.cpu.precision).nbytes
         copy = self._submit(self._copy_after, self._host_fence(), mgr.host.view(spare, nbytes), mgr.host.view(place, nbytes))

@@ -43,3 +43,26 @@ def test_layout_counts_runs_of_warm_places_lying_back_to_back():
     got = hot_layout.layout_summary(table, [0, 1], 4, place=100)
     assert got["warm_place_runs_per_layer"] == [1, 2] and got["hot_per_layer"] == [1, 2]
     assert "warm_place_runs_per_layer" not in hot_layout.layout_summary(table, [0, 1], 4)
+
+
+def test_prefill_copies_counts_each_host_to_device_copy_once(packed_factory):
+    """A forward whose long calls stream every warm expert: one copy per run of back-to-back
+    blobs in each part, so at least one copy and no more than one per warm expert a part reads;
+    the manager is left as it was."""
+    import torch
+
+    import tiers
+    from tiers.integration import manager_of
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "int8"},
+                     "nvme": {"precision": "int8"}}}
+    m = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
+    mgr = manager_of(m)
+    ids = torch.randint(0, m.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    mgr.reset_stats()
+    n = hot_layout.prefill_copies(m, ids)
+    streamed = mgr.stats().streamed
+    assert streamed["parts"] > 0 and streamed["parts"] <= n  # every part read something here
+    warm = sum(r.home.value == "cpu" for _, r in mgr.table.items())
+    assert n <= warm
+    assert "_check_pinned" not in vars(mgr)
