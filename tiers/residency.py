@@ -4,8 +4,8 @@ Owns: one ``dict[ExpertKey, Residency]`` and the single pure transition function
 Invariants: at most one GPU slot holds an expert; a hot (pinned) expert is never evicted, its
 home is gpu and it has a slot; an expert's home is cpu exactly when it has a host offset; homes
 change only through the rebalancer's four ops (promote / demote between nvme-or-cpu and gpu,
-warm / cool between nvme and cpu); every change is one of the edges below or raises
-``IllegalTransition``.
+warm / cool between nvme and cpu), and a warm expert's host offset also through its fifth,
+move; every change is one of the edges below or raises ``IllegalTransition``.
 """
 from __future__ import annotations
 
