@@ -124,7 +124,7 @@ class StreamedCalls:
         cached = {r.slot: e for e, r in zip(experts, rows) if r.slot is not None and r.slot >= hot and pool.readers[r.slot] == 0}
         # in host-pool order: a part's reads then lie back to back as far as the pool allows
         # (``_stage_copy_run`` copies each such run at once), whatever swaps have reordered
-        misses = sorted((e for e, r in zip(experts, rows) if r.slot is None), key=lambda e: self.table[ExpertKey(layer, e)].host_offset)
+        misses = [e for _, e in sorted((r.host_offset, e) for e, r in zip(experts, rows) if r.slot is None)]
         if size < 1 or len(misses) <= size:
             return None
         # the cached experts' slots first, so they fall in as few buffers as the count allows;
