@@ -16,7 +16,7 @@ import sys
 if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.bench import H2D_BYTES_PER_S, rep_overhead_ms  # noqa: E402
+from tools.bench import bytes_bound_ms, rep_overhead_ms  # noqa: E402
 
 
 def rows(path: str) -> list[str]:
@@ -27,7 +27,7 @@ def rows(path: str) -> list[str]:
         reps = rep_overhead_ms(a)
         if reps is None:
             continue
-        bound_ms = sum(a["bytes_moved_per_token"].values()) / H2D_BYTES_PER_S * 1e3
+        bound_ms = bytes_bound_ms(a)
         medians = a.get("paired_overhead_over_bytes_bound")
         out.append(f"| {os.path.basename(path)} | {name} | " + ("-" if medians is None else f"{medians:.2f}")
                    + f" | {reps:.2f} | " + (f"{reps / bound_ms:.2f}" if bound_ms else "-") + " |")

@@ -422,6 +422,11 @@ def rep_overhead_ms(row: dict) -> float | None:
     return statistics.median(a - b for a, b in zip(arm, pair))
 
 
+def bytes_bound_ms(row: dict) -> float:
+    """An arm's bytes moved per decode token at 55 GB/s, in ms."""
+    return sum(row["bytes_moved_per_token"].values()) / H2D_BYTES_PER_S * 1e3
+
+
 def add_bounds(result: dict) -> dict:
     """Per Tiers arm: the decode bound (all-GPU ms/token of the same routing + moved bytes / 55 GB/s),
     the overhead over it, and the prefill bound max(all-GPU prefill, prefill bytes / 55 GB/s)."""
@@ -429,18 +434,18 @@ def add_bounds(result: dict) -> dict:
         baseline_ = baseline(result, name)
         base = baseline_.get("decode_ms_per_token")
         if name.startswith("tiers") and base is not None and "error" not in row:
-            moved = sum(row["bytes_moved_per_token"].values())
-            row["bound_ms_per_token"] = base + moved / H2D_BYTES_PER_S * 1e3
+            bytes_ms = bytes_bound_ms(row)
+            row["bound_ms_per_token"] = base + bytes_ms
             row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
-            row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
+            row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / bytes_ms) if bytes_ms else None
             pair = row.get("paired_all_gpu_ms_per_token")
             if pair is not None:  # against the all-GPU measurement interleaved with the arm's
                 row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
-                row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / (moved / H2D_BYTES_PER_S * 1e3)) if moved else None
+                row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / bytes_ms) if bytes_ms else None
             reps = rep_overhead_ms(row)
             if reps is not None:  # each repetition's arm less its pair, timed one after the other
                 row["rep_overhead_ms_per_token"] = reps
-                row["rep_overhead_over_bytes_bound"] = reps / (moved / H2D_BYTES_PER_S * 1e3) if moved else None
+                row["rep_overhead_over_bytes_bound"] = reps / bytes_ms if bytes_ms else None
             if baseline_.get("prefill_s") is not None:
                 row["prefill_bound_s"] = max(baseline_["prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
                 row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
