@@ -13,8 +13,9 @@ the rebalancer on (every ``--every`` tokens), routes ``--generates`` generates o
 tokens by the bench's skewed trace, and reports per layer the hot experts and their slot runs,
 at load and after, with the rebalancer's counts and the GPU hit rate of four more generates;
 also the runs of each layer's warm host places that lie back to back, and (``--prefill N``, 0:
-off) the host-to-GPU copies one forward of N tokens queues, at load and after (routed by the
-trace too, so the trace's rows shift by N): a streamed part copies each run of its reads at once.
+off) the host-to-GPU copies and the dequantization launches one forward of N tokens queues, at
+load and after (routed by the trace too, so the trace's rows shift by N): a streamed part copies
+each run of its reads at once and dequantizes each run of its slots at once.
 
 Runs on the CPU unless ``--device cuda``: the plan is the same, only the decode path differs.
 """
@@ -49,25 +50,35 @@ def layout_summary(table, layers: list[int], num_experts: int, place: int | None
     return out | ({"warm_place_runs_per_layer": warm_runs} if place else {})
 
 
-def prefill_copies(model, ids) -> int:
-    """Host-to-GPU copies of expert bytes one forward of ``ids`` queues: each is checked for a
-    pinned source once (``_check_pinned``; on CUDA the index uploads are checked too)."""
+def prefill_counts(model, ids) -> dict:
+    """What one forward of ``ids`` queues: ``copies``, the host-to-GPU copies of expert bytes
+    (each is checked for a pinned source once, ``_check_pinned``; on CUDA the index uploads are
+    checked too), and ``dequantizations``, the launches of the cpu tier's dequantization (one per
+    tensor of each run of slots a stack fills in a row, one per tensor of a lone slot)."""
+    import quant
     from tiers.integration import manager_of
 
     mgr = manager_of(model)
-    n = 0
-    check = mgr._check_pinned
+    scheme = quant.get_scheme(mgr.cfg.cpu.precision)
+    n = {"copies": 0, "dequantizations": 0}
+    check, dequantize = mgr._check_pinned, scheme.dequantize
 
     def counted(src):
-        nonlocal n
-        n += 1
+        n["copies"] += 1
         return check(src)
+
+    def launched(q, out):
+        n["dequantizations"] += 1
+        return dequantize(q, out=out)
+
     mgr._check_pinned = counted
+    scheme.dequantize = launched
     try:
         with torch.no_grad():
             model(ids)
     finally:
         del mgr._check_pinned
+        del scheme.dequantize
     return n
 
 
@@ -114,7 +125,7 @@ def main() -> int:
         place = mgr.transit[id(mgr.pools[0])].shape[1]
         row = {"load": layout_summary(mgr.table, layers, args.experts, place)}
         with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
-            copies = prefill_copies(m, ids) if ids is not None else None
+            at_load = prefill_counts(m, ids) if ids is not None else None
             for _ in range(args.generates):
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
             row["after"] = layout_summary(mgr.table, layers, args.experts, place)
@@ -124,7 +135,9 @@ def main() -> int:
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
             hits = mgr.stats().hits
             if ids is not None:
-                row["prefill_copies"] = {"load": copies, "after": prefill_copies(m, ids)}
+                after = prefill_counts(m, ids)
+                row["prefill_copies"] = {"load": at_load["copies"], "after": after["copies"]}
+                row["prefill_dequantizations"] = {"load": at_load["dequantizations"], "after": after["dequantizations"]}
         row["gpu_hit_rate_after"] = hits["gpu"] / max(1, sum(hits.values()))
         result["fractions"][str(f)] = row
         print(f, json.dumps(row), flush=True)

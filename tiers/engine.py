@@ -157,6 +157,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
     # projection, 0.25 of the 0.75 ms an expert takes to dequantize on an H200).
     STACK_EXPERTS = 4
     STACK_BYTES = 32 << 20
+    STACK_VIEWS = 4096  # stacks' views kept at most (keyed by first row, first slot and length)
     # A layer call's cold misses are read together on the reader threads when their blobs are at
     # most this large. On the H200's disk (tools/coldread.py in bench/results/*-run6.md), 4.5 MiB
     # blobs read at 1.57 GB/s four at a time against 1.22 one at a time, while 168 MiB blobs, read
@@ -657,8 +658,10 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the
-        dequant stream, after the copies land; one ready event for all of them. A direct stack is
-        one ``fetch_stack`` launch on the copy stream instead."""
+        dequant stream, after the copies land; one ready event for all of them. Each run of slots
+        in a row is one launch per tensor (a streamed part's slots skip those of experts already
+        cached in its buffer), a lone slot one per tensor of its own. A direct stack is one
+        ``fetch_stack`` launch on the copy stream instead."""
         pool, k = g.pool, len(g.slots)
         t0 = self.clock()
         if g.starts is not None:
@@ -670,19 +673,24 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         landed = self.streams.event()
         landed.record(self.copy_stream)
         scheme = quant.get_scheme(g.precision)
-        s0 = g.slots[0]
         with self.streams.use(self.dequant_stream):
             self.dequant_stream.wait_event(landed)
-            if k > 1 and scheme.stacks and g.slots == list(range(s0, s0 + k)):
-                # slots in a row: one launch per tensor, from the stacked transit rows into that row of the slabs
-                views, out = self._stack_views(pool, g.blob, g.row, s0, k)
-                for name, q in views.items():
-                    scheme.dequantize(q, out=out[name])
-            else:
-                for i, slot in enumerate(g.slots):
-                    out = pool.tensors(slot)
-                    for name, q in self._views(g.blob, self._transit_row(id(pool), g.row + i, g.blob.nbytes)).items():
+            i = 0
+            while i < k:  # each run of slots in a row (its transit rows are in a row too)
+                j = i + 1
+                while j < k and g.slots[j] == g.slots[i] + (j - i):
+                    j += 1
+                if j - i > 1 and scheme.stacks:
+                    # one launch per tensor, from the stacked transit rows into that row of the slabs
+                    views, out = self._stack_views(pool, g.blob, g.row + i, g.slots[i], j - i)
+                    for name, q in views.items():
                         scheme.dequantize(q, out=out[name])
+                else:
+                    for r in range(i, j):
+                        out = pool.tensors(g.slots[r])
+                        for name, q in self._views(g.blob, self._transit_row(id(pool), g.row + r, g.blob.nbytes)).items():
+                            scheme.dequantize(q, out=out[name])
+                i = j
             ready = self.streams.event(timing=self.timing)
             ready.record(self.dequant_stream)
         self._dequantized(b, pool, g.slots, g.row, ready)
@@ -694,6 +702,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         key = (id(pool), id(blob), row, s0, k)
         got = self._stack_view_cache.get(key)
         if got is None:
+            if len(self._stack_view_cache) >= self.STACK_VIEWS:
+                self._stack_view_cache.clear()
             rows = self.transit[id(pool)][row : row + k, : blob.nbytes]  # [k, bytes]
             got = self._stack_view_cache[key] = (self._views(blob, rows), {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()})
         return got

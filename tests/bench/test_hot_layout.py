@@ -45,12 +45,14 @@ def test_layout_counts_runs_of_warm_places_lying_back_to_back():
     assert "warm_place_runs_per_layer" not in hot_layout.layout_summary(table, [0, 1], 4)
 
 
-def test_prefill_copies_counts_each_host_to_device_copy_once(packed_factory):
+def test_prefill_counts_each_copy_and_dequantization_launch_once(packed_factory):
     """A forward whose long calls stream every warm expert: one copy per run of back-to-back
     blobs in each part, so at least one copy and no more than one per warm expert a part reads;
-    the manager is left as it was."""
+    each part dequantizes its runs of slots, at least one launch per tensor and part and at most
+    one per tensor and warm expert; the manager and the scheme are left as they were."""
     import torch
 
+    import quant
     import tiers
     from tiers.integration import manager_of
 
@@ -60,9 +62,11 @@ def test_prefill_copies_counts_each_host_to_device_copy_once(packed_factory):
     mgr = manager_of(m)
     ids = torch.randint(0, m.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
     mgr.reset_stats()
-    n = hot_layout.prefill_copies(m, ids)
+    n = hot_layout.prefill_counts(m, ids)
     streamed = mgr.stats().streamed
-    assert streamed["parts"] > 0 and streamed["parts"] <= n  # every part read something here
+    assert streamed["parts"] > 0 and streamed["parts"] <= n["copies"]  # every part read something here
     warm = sum(r.home.value == "cpu" for _, r in mgr.table.items())
-    assert n <= warm
-    assert "_check_pinned" not in vars(mgr)
+    assert n["copies"] <= warm
+    tensors = len(next(iter(mgr.manifest.layers.values())).blobs["int8"].shapes)
+    assert tensors * streamed["parts"] <= n["dequantizations"] <= tensors * warm
+    assert "_check_pinned" not in vars(mgr) and "dequantize" not in vars(quant.get_scheme("int8"))

@@ -2,7 +2,7 @@
 
 Checked here: the stacked dequantization is exact (each slot equals its blob dequantized alone),
 both of its paths run (slots in a row: one launch per tensor over the stacked transit rows;
-scattered: one expert at a time), a batch waits once per stack and issues one ready event for it, a
+scattered: one launch per tensor for each run of slots in a row, a lone slot on its own), a batch waits once per stack and issues one ready event for it, a
 transit row is rewritten only after the copy stream waited for the last dequantization that read
 it, and a read that fails half-way through a batch leaves the writes queued before it valid.
 """
@@ -75,6 +75,44 @@ def test_stacked_dequantization_is_exact_on_both_paths(packed_factory, device, m
     assert staged_exactly(mgr, 40) > 40
     assert taken["row"] and taken["scatter"], f"both stacked paths must run: {taken}"
     assert all(r == 0 for p in mgr.pools for r in p.readers)
+
+
+def _runs(slots: list[int]) -> list[int]:
+    """The lengths of ``slots``' maximal runs of consecutive slots, in order."""
+    out = []
+    for i, s in enumerate(slots):
+        if i and s == slots[i - 1] + 1:
+            out[-1] += 1
+        else:
+            out.append(1)
+    return out
+
+
+def test_a_scattered_stack_dequantizes_each_run_of_slots_in_one_launch_per_tensor(packed_factory, monkeypatch):
+    """A stack whose slots are not all in a row (a streamed part's slots skip the experts cached in
+    its buffer) launches one dequantization per tensor for each run of slots in a row, not one
+    per expert, and every slot still equals its blob dequantized alone."""
+    import quant
+
+    mgr = manager_of(tiers.load(packed_factory("qwen3_moe"), INT8, device="cpu", progress=False))
+    scheme = quant.get_scheme("int8")
+    launches = []
+    real = scheme.dequantize
+    monkeypatch.setattr(scheme, "dequantize", lambda q, out: (launches.append(1), real(q, out=out))[1])
+    stacks = []
+    inner = mgr._dequantize
+
+    def spy(b, g):
+        before = len(launches)
+        inner(b, g)
+        stacks.append((list(g.slots), len(g.blob.shapes), len(launches) - before))
+
+    mgr._dequantize = spy
+    assert staged_exactly(mgr, 60) > 60
+    mixed = [(slots, tensors, n) for slots, tensors, n in stacks if 1 < len(_runs(slots)) < len(slots)]
+    assert mixed, f"no stack with a run of slots among scattered ones: {[s for s, _, _ in stacks]}"
+    for slots, tensors, n in stacks:
+        assert n == tensors * len(_runs(slots)), f"stack over slots {slots}: {n} launches for runs {_runs(slots)}"
 
 
 def _lossy_misses(mgr, layer: int) -> list[int]:
