@@ -65,7 +65,7 @@ class NvmeTier:
 @dataclass(frozen=True)
 class Rebalance:
     every_tokens: int = 0  # re-count routing and rebalance the tiers every this many tokens; 0: off
-    window: int = 4  # the frequency is counted over the last ``window`` intervals of every_tokens
+    window: int = 16  # the frequency is counted over the last ``window`` intervals of every_tokens
     max_moves: int = 4  # experts promoted per rebalance, at most (each tier)
     margin: float = 0.25  # a newcomer must be used this much more often than the expert it replaces
 

@@ -39,20 +39,24 @@ from tiers.residency import Home, Op
 
 
 class RoutingWindow:
-    """Lookups per expert over the last ``window`` intervals of ``every_tokens`` tokens."""
+    """Lookups per expert over the last ``window`` intervals of ``every_tokens`` tokens.
+
+    The closed intervals still in the window are kept summed (``closed``): an interval adds its
+    counts once when it closes and takes them back once when it falls out, so what a rebalance
+    costs the serving thread does not grow with ``window``."""
 
     def __init__(self, every_tokens: int, window: int):
         self.every = every_tokens
         self.intervals: deque[Counter] = deque([Counter()], maxlen=window)
+        self.closed: Counter = Counter()  # the sum of every interval but the open one (the last)
         self.tokens = 0
 
     def count(self, keys: Iterable[ExpertKey]) -> None:
         self.intervals[-1].update(keys)
 
     def frequency(self) -> Counter:
-        total: Counter = Counter()
-        for c in self.intervals:
-            total.update(c)
+        total = Counter(self.closed)
+        total.update(self.intervals[-1])
         return total
 
     def add_tokens(self, n: int) -> Counter | None:
@@ -63,6 +67,13 @@ class RoutingWindow:
             return None
         self.tokens = 0
         freq = self.frequency()
+        self.closed.update(self.intervals[-1])
+        if len(self.intervals) == self.intervals.maxlen:  # the oldest falls out as the new one opens
+            oldest = self.intervals[0]
+            self.closed.subtract(oldest)
+            for k in oldest:
+                if self.closed[k] <= 0:
+                    del self.closed[k]
         self.intervals.append(Counter())
         return freq
 
@@ -175,7 +186,20 @@ class Rebalancer:
     """Carries plans out on a ``TierManager`` (duck-typed: its table, pools, host pool, disk,
     streams and staging helpers). Called on the serving thread only; reads run on its own thread."""
 
-    BUFFERS = 2  # pinned promotion buffers: hot promotions in flight at once
+    # Pinned promotion buffers (hot promotions in flight at once), each with a spare warm place
+    # per pool: as many as fit PROMOTION_BYTES, at least MIN_BUFFERS, at most max_moves.
+    # Why: a rebalance promotes at most one expert per free buffer, so with two the hot set of a
+    # skewed trace took about 800 tokens to settle (every 8 tokens, bench/hot_layout.py-style CPU
+    # runs of Qwen3's counts); small experts cost little to buffer, large ones (Mixtral-8x7B:
+    # 336 MiB in bf16) keep two.
+    MIN_BUFFERS = 2
+    PROMOTION_BYTES = 64 << 20
+
+    @classmethod
+    def buffer_count(cls, manifest: Any, cfg: Any) -> int:
+        """How many promotion buffers (and spares per pool) a manager with ``cfg`` holds."""
+        fit = cls.PROMOTION_BYTES // max(1, cls.largest_blob(manifest, cfg.gpu.precision, manifest.layers))
+        return max(cls.MIN_BUFFERS, min(cfg.rebalance.max_moves, fit))
 
     @classmethod
     def buffer_bytes(cls, manifest: Any, cfg: Any, placement: Any) -> int:
@@ -185,8 +209,8 @@ class Rebalancer:
         gp, cp = cfg.gpu.precision, cfg.cpu.precision
         if not cfg.rebalance.every_tokens or not placement.hot or not quant.get_scheme(gp).lossless:
             return 0
-        promote = cls.BUFFERS * cls.largest_blob(manifest, gp, manifest.layers)
-        return promote + cls.BUFFERS * sum(cls.largest_blob(manifest, cp, g.layers) for g in placement.groups)
+        n = cls.buffer_count(manifest, cfg)
+        return n * cls.largest_blob(manifest, gp, manifest.layers) + n * sum(cls.largest_blob(manifest, cp, g.layers) for g in placement.groups)
 
     @staticmethod
     def largest_blob(manifest: Any, precision: str, layers: Iterable[int]) -> int:
@@ -201,10 +225,11 @@ class Rebalancer:
         self.buffers, self.spares = [], {id(p): [] for p in mgr.pools}  # spares: per pool, free warm places for demotions
         if self.hot_moves:
             size = self.largest_blob(mgr.manifest, mgr.cfg.gpu.precision, mgr.manifest.layers)
-            self.buffers = [mgr.host.view(mgr.host.alloc(size), size) for _ in range(self.BUFFERS)]
+            n = self.buffer_count(mgr.manifest, mgr.cfg)
+            self.buffers = [mgr.host.view(mgr.host.alloc(size), size) for _ in range(n)]
             for p in mgr.pools:
                 place = self.largest_blob(mgr.manifest, mgr.cfg.cpu.precision, {k.layer for k in mgr.keys_of[id(p)]})
-                self.spares[id(p)] = [mgr.host.alloc(place) for _ in range(self.BUFFERS)]
+                self.spares[id(p)] = [mgr.host.alloc(place) for _ in range(n)]
         self.buffer_busy: list[Any | None] = [None] * len(self.buffers)
         self.hot_reads: dict[ExpertKey, _HotRead] = {}
         self.warm_reads: dict[ExpertKey, tuple[Future, int]] = {}

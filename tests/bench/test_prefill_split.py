@@ -101,9 +101,9 @@ def test_specs_default_their_optional_fields_and_refuse_unknown_choices():
 
 
 def test_a_frozen_rebalancer_moves_nothing_while_timed(tmp_path, monkeypatch):
-    """End to end on the CPU (tiny shapes): the rebalancer moves experts while its config warms
+    """End to end on the CPU (tiny shapes): the rebalancer promotes experts while its config warms
     up; frozen, it lands every read before timing and moves nothing after, where the live one
-    keeps moving; skewed configs report their layouts."""
+    keeps rebalancing; skewed configs report their layouts."""
     import json
     import sys
 
@@ -114,8 +114,8 @@ def test_a_frozen_rebalancer_moves_nothing_while_timed(tmp_path, monkeypatch):
     assert prefill_split.main() == 0
     got = json.loads(out.read_text())["configs"]
     for spec in (live, frozen):
-        lay = got[spec]["layout"]
-        assert lay["load"] != lay["timed"]  # the warm-up's generates moved hot experts between layers
+        assert set(got[spec]["layout"]) >= {"load", "timed", "end"}
+        assert got[spec]["rebalancer"]["promoted_hot"] > 0  # the warm-up's generates moved hot experts
         assert got[spec]["config"]["tiers"]["rebalance"] == {"every_tokens": 8}
     assert got[frozen]["layout"]["timed"] == got[frozen]["layout"]["end"]
     assert got[frozen]["rebalancer"]["in_flight"] == 0

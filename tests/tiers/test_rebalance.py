@@ -39,6 +39,32 @@ def test_window_counts_the_last_intervals_only():
     assert w.add_tokens(10) == Counter({K(0, 2): 1, K(0, 3): 1})  # the first interval fell out
 
 
+@settings(max_examples=200, deadline=None)
+@given(window=st.integers(1, 6), every=st.integers(1, 5),
+       ops=st.lists(st.tuples(st.lists(st.integers(0, 5), max_size=6), st.integers(0, 7)), max_size=40))
+def test_window_frequency_is_the_sum_of_its_intervals(window, every, ops):
+    """Random lookups and token counts: the window's frequency (and every frequency a closing
+    interval returns) is the plain sum of the last ``window`` intervals, the open one included,
+    with no expert left at zero or below."""
+    w = RoutingWindow(every_tokens=every, window=window)
+    intervals, tokens = [Counter()], 0
+    for experts, n in ops:
+        keys = [K(0, e) for e in experts]
+        w.count(keys)
+        intervals[-1].update(keys)
+        want = sum(intervals[-window:], Counter())
+        got = w.add_tokens(n)
+        tokens += n
+        if tokens >= every:
+            tokens = 0
+            assert got == want
+            intervals.append(Counter())
+        else:
+            assert got is None
+        assert w.frequency() == sum(intervals[-window:], Counter())
+        assert all(v > 0 for v in w.closed.values())
+
+
 # -- the plan ---------------------------------------------------------------------------------------
 def test_plan_promotes_the_frequent_and_respects_the_margin():
     keys = tuple(K(0, e) for e in range(6))

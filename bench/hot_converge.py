@@ -1,0 +1,141 @@
+"""How fast and how close the rebalancer brings the hot set to a skewed trace's popular experts.
+
+    python bench/hot_converge.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
+                                 [--fractions 0.25,0.5] [--configs auto:16,2:4] [--generates 24]
+                                 [--tokens 33] [--every 8] --out FILE
+
+For each GPU fraction and each config ``BUFFERS:WINDOW`` (``BUFFERS``: promotion buffers, a
+number or ``auto`` for the library's own count; ``WINDOW``: ``tiers.rebalance.window``), this
+loads a model of the given layer and expert counts (tiny hidden sizes: the plan does not depend
+on them) with the rebalancer on every ``--every`` tokens, routes ``--generates`` generates of
+``--tokens`` tokens by the bench's skewed trace, and records after each generate: the hot
+set's *coverage* (the mean over layers of the trace's popularity its hot experts hold; 1 is
+every pick hot), the promotions that generate made, and its hit rate (hot experts and the
+staging cache, as served on the CPU). ``best_coverage`` is the most a hot set of the same count
+per layer can hold: each layer's most popular experts.
+
+Runs on the CPU unless ``--device cuda``: the plan is the same, only the decode path differs.
+"""
+import os
+import sys
+
+if __name__ == "__main__":  # run as a script: import the repo's packages
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def parse_configs(text: str) -> list[tuple[int | None, int]]:
+    """``BUFFERS:WINDOW,...`` as (buffers or None for ``auto``, window); refuses anything else."""
+    out = []
+    for item in text.split(","):
+        parts = item.split(":")
+        if len(parts) != 2:
+            raise SystemExit(f"--configs: {item!r} is not BUFFERS:WINDOW")
+        buffers, window = parts
+        try:
+            n = None if buffers == "auto" else int(buffers)
+            w = int(window)
+        except ValueError:
+            raise SystemExit(f"--configs: {item!r}: BUFFERS is a number or 'auto', WINDOW a number") from None
+        if (n is not None and n < 1) or w < 1:
+            raise SystemExit(f"--configs: {item!r}: BUFFERS and WINDOW must be at least 1")
+        out.append((n, w))
+    return out
+
+
+def coverage(table, popularity: torch.Tensor, layers: list[int]) -> tuple[float, float]:
+    """(the hot set's coverage, the best coverage of as many hot experts per layer): ``popularity``
+    is ``[len(layers), experts]``, row i for ``layers[i]``, each row summing to 1."""
+    got, best = 0.0, 0.0
+    for i, L in enumerate(layers):
+        hot = [k.expert for k, r in table.items() if k.layer == L and r.pinned]
+        got += float(popularity[i, hot].sum()) if hot else 0.0
+        best += float(popularity[i].sort(descending=True).values[: len(hot)].sum())
+    return got / len(layers), best / len(layers)
+
+
+def converge(packed, budget: int, fraction: float, buffers: int | None, window: int, *, every: int, generates: int,
+             tokens: int, vocab: int, device: torch.device) -> dict:
+    import tiers
+    from tiers.integration import manager_of
+    from tiers.rebalance import Rebalancer
+    from tools.routing import TraceRouting
+
+    cfg = {"tiers": {"gpu": {"fraction": fraction}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
+                     "rebalance": {"every_tokens": every, "window": window}}}
+    count = Rebalancer.buffer_count
+    if buffers is not None:
+        Rebalancer.buffer_count = classmethod(lambda cls, manifest, cfg: buffers)
+    try:
+        m = tiers.load(packed, cfg, device=device, progress=False)
+    finally:
+        Rebalancer.buffer_count = count
+    mgr = manager_of(m)
+    prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
+    kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=tokens, min_new_tokens=tokens)
+    row = {"buffers": len(mgr.rebalancer.buffers), "window": window, "generates": []}
+    with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096) as trace:
+        popularity = trace.popularity()
+        row["coverage_at_load"], row["best_coverage"] = coverage(mgr.table, popularity, trace.layers)
+        for _ in range(generates):
+            mgr.reset_stats()
+            before = mgr.rebalancer.counts["promoted_hot"]
+            m.generate(prompt, **kw)
+            hits = mgr.stats().hits
+            row["generates"].append({"coverage": coverage(mgr.table, popularity, trace.layers)[0],
+                                     "promoted_hot": mgr.rebalancer.counts["promoted_hot"] - before,
+                                     "hit_rate": hits["gpu"] / max(1, sum(hits.values()))})
+    row["rebalancer"] = mgr.rebalancer.report()
+    mgr.close()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--fractions", default="0.25,0.5")
+    ap.add_argument("--configs", default="auto:16,2:4", help="BUFFERS:WINDOW,... (BUFFERS a number or 'auto')")
+    ap.add_argument("--generates", type=int, default=24)
+    ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    fractions = [float(f) for f in args.fractions.split(",")]
+    if not all(0 < f < 1 for f in fractions):
+        raise SystemExit(f"--fractions: each must lie in (0, 1), got {args.fractions!r}")
+    configs = parse_configs(args.configs)
+
+    from tools.measure import TINY, build_packed, expert_bytes_of, scratch_dir, write_result
+
+    device = torch.device(args.device)
+    shape = dict(TINY[args.model], layers=args.layers, num_experts_per_tok=args.top_k)
+    shape["num_experts" if args.model == "qwen3_moe" else "num_local_experts"] = args.experts
+    model, packed = build_packed(args.model, args.layers, torch.device("cpu"), scratch_dir("tiers-converge-"), shape=shape)
+    budget = expert_bytes_of(model)
+    del model
+    result = {"command": "python bench/hot_converge.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
+              "every_tokens": args.every, "tokens_per_generate": args.tokens, "runs": []}
+    for f in fractions:
+        for buffers, window in configs:
+            row = converge(packed, budget, f, buffers, window, every=args.every, generates=args.generates, tokens=args.tokens,
+                           vocab=shape["vocab_size"], device=device)
+            row = {"fraction": f, "config": f"{'auto' if buffers is None else buffers}:{window}"} | row
+            result["runs"].append(row)
+            last = row["generates"][-1]
+            print(f, row["config"], json.dumps({"buffers": row["buffers"], "best": round(row["best_coverage"], 3),
+                                                "coverage": [round(g["coverage"], 3) for g in row["generates"]],
+                                                "last_hit_rate": round(last["hit_rate"], 3)}), flush=True)
+    write_result(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
