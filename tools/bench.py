@@ -211,6 +211,9 @@ def run(args) -> dict:
         gen = lambda n: m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
         pgen = lambda n: paired.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
         gen(args.warmup_tokens)  # warm-up: kernels, caches, and (skewed arms) the rebalancer's first rounds
+        if name.endswith("@skewed"):  # the rebalancer's own warm-up, so the timed repetitions see a settled hot set
+            for n in rebalance_warmup_generates(args.rebalance_warmup):
+                gen(n)
         gen(1)
         with routed(paired, name):
             pgen(args.warmup_tokens)
@@ -422,6 +425,16 @@ def rep_overhead_ms(row: dict) -> float | None:
     return statistics.median(a - b for a, b in zip(arm, pair))
 
 
+REBALANCE_WARMUP_GENERATE = 64  # tokens per generate of the rebalancer's warm-up, at most (a short KV cache)
+
+
+def rebalance_warmup_generates(tokens: int) -> list[int]:
+    """The generates of ``--rebalance-warmup``: ``tokens`` split into generates of at most
+    ``REBALANCE_WARMUP_GENERATE`` tokens."""
+    full, rest = divmod(max(0, tokens), REBALANCE_WARMUP_GENERATE)
+    return [REBALANCE_WARMUP_GENERATE] * full + ([rest] if rest else [])
+
+
 def bytes_bound_ms(row: dict) -> float:
     """An arm's bytes moved per decode token at 55 GB/s, in ms."""
     return sum(row["bytes_moved_per_token"].values()) / H2D_BYTES_PER_S * 1e3
@@ -541,6 +554,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of the cold-read passes, odd ones in reverse order (2: each pass once early and once late)")
     ap.add_argument("--reader-threads", type=int, default=4)
     ap.add_argument("--warmup-tokens", type=int, default=32, help="tokens generated before timing (all arms but lazy and accelerate)")
+    ap.add_argument("--rebalance-warmup", type=int, default=0,
+                    help="Tiers @skewed arms with the rebalancer: this many more tokens generated before timing, so the timed "
+                         "repetitions see a settled hot set (0: none, the rebalancer still settling while timed)")
     ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
     ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
     ap.add_argument("--device", default=None)
@@ -548,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
     args = ap.parse_args(argv)
+    if args.rebalance_warmup < 0:
+        ap.error(f"--rebalance-warmup: expected a token count >= 0, got {args.rebalance_warmup}")
     if args.cold_read_gb and not 1 <= args.cold_read_rounds <= 64:  # refused now, not after the arms have run
         ap.error(f"--cold-read-rounds: expected an integer in [1, 64], got {args.cold_read_rounds}")
     args.argv = argv

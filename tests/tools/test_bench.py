@@ -187,3 +187,34 @@ def test_bad_cold_read_rounds_are_refused_before_any_arm_runs(tmp_path, capsys, 
     with pytest.raises(SystemExit) as e:
         bench.main(["--tiny", "--device", "cpu", "--cold-read-gb", "0.01", "--cold-read-rounds", "0", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--cold-read-rounds" in capsys.readouterr().err
+
+
+def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monkeypatch):
+    """``--rebalance-warmup 150``: the skewed arm with the rebalancer generates 64 + 64 + 22 more
+    tokens after its ordinary warm-up and before its first timed generate; the arm without the
+    rebalancer and the all-GPU arms generate none of them. A negative count is refused."""
+    from transformers import GenerationMixin
+
+    from tiers.integration import _MANAGER_ATTR
+
+    assert bench.rebalance_warmup_generates(150) == [64, 64, 22] and bench.rebalance_warmup_generates(0) == []
+    calls = []
+    generate = GenerationMixin.generate
+
+    def spy(self, *a, **k):
+        calls.append(("tiers" if hasattr(self, _MANAGER_ATTR) else "gpu", k.get("max_new_tokens")))
+        return generate(self, *a, **k)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    for arm in ("tiers_25_int8@skewed", "tiers_25_int8@skewed_norebal"):
+        calls.clear()
+        rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5",
+                         "--rebalance-every", "2", "--rebalance-warmup", "150", "--arms", arm, "--out", str(tmp_path)])
+        assert rc == 0
+        tiers_calls = [n for who, n in calls if who == "tiers"]
+        first_timed = tiers_calls.index(1)
+        extra = tiers_calls[tiers_calls.index(5) + 1 : first_timed]
+        assert extra == ([64, 64, 22] if arm.endswith("@skewed") else []), (arm, tiers_calls)
+        assert 150 not in [n for who, n in calls if who == "gpu"] and 64 not in [n for who, n in calls if who == "gpu"]
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--rebalance-warmup", "-1", "--out", str(tmp_path)])
