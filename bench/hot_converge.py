@@ -1,11 +1,12 @@
 """How fast and how close the rebalancer brings the hot set to a skewed trace's popular experts.
 
     python bench/hot_converge.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
-                                 [--fractions 0.25,0.5] [--configs auto:16,2:4] [--generates 24]
+                                 [--fractions 0.25,0.5] [--configs 2:4:0,auto:64] [--generates 24]
                                  [--tokens 33] [--every 8] --out FILE
 
-For each GPU fraction and each config ``BUFFERS:WINDOW`` (``BUFFERS``: promotion buffers, a
-number or ``auto`` for the library's own count; ``WINDOW``: ``tiers.rebalance.window``), this
+For each GPU fraction and each config ``BUFFERS:WINDOW[:SIGNIFICANCE]`` (``BUFFERS``: promotion
+buffers, a number or ``auto`` for the library's own count; ``WINDOW``: ``tiers.rebalance.window``;
+``SIGNIFICANCE``: ``tiers.rebalance.significance``, the library's default when left out), this
 loads a model of the given layer and expert counts (tiny hidden sizes: the plan does not depend
 on them) with the rebalancer on every ``--every`` tokens, routes ``--generates`` generates of
 ``--tokens`` tokens by the bench's skewed trace, and records after each generate: the hot
@@ -28,22 +29,23 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 
-def parse_configs(text: str) -> list[tuple[int | None, int]]:
-    """``BUFFERS:WINDOW,...`` as (buffers or None for ``auto``, window); refuses anything else."""
+def parse_configs(text: str) -> list[tuple[int | None, int, float | None]]:
+    """``BUFFERS:WINDOW[:SIGNIFICANCE],...`` as (buffers or None for ``auto``, window, significance
+    or None for the default); refuses anything else."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) != 2:
-            raise SystemExit(f"--configs: {item!r} is not BUFFERS:WINDOW")
-        buffers, window = parts
+        if len(parts) not in (2, 3):
+            raise SystemExit(f"--configs: {item!r} is not BUFFERS:WINDOW[:SIGNIFICANCE]")
         try:
-            n = None if buffers == "auto" else int(buffers)
-            w = int(window)
+            n = None if parts[0] == "auto" else int(parts[0])
+            w = int(parts[1])
+            z = float(parts[2]) if len(parts) == 3 else None
         except ValueError:
-            raise SystemExit(f"--configs: {item!r}: BUFFERS is a number or 'auto', WINDOW a number") from None
-        if (n is not None and n < 1) or w < 1:
-            raise SystemExit(f"--configs: {item!r}: BUFFERS and WINDOW must be at least 1")
-        out.append((n, w))
+            raise SystemExit(f"--configs: {item!r}: BUFFERS is a number or 'auto', WINDOW and SIGNIFICANCE numbers") from None
+        if (n is not None and n < 1) or w < 1 or (z is not None and z < 0):
+            raise SystemExit(f"--configs: {item!r}: BUFFERS and WINDOW must be at least 1, SIGNIFICANCE at least 0")
+        out.append((n, w, z))
     return out
 
 
@@ -58,15 +60,15 @@ def coverage(table, popularity: torch.Tensor, layers: list[int]) -> tuple[float,
     return got / len(layers), best / len(layers)
 
 
-def converge(packed, budget: int, fraction: float, buffers: int | None, window: int, *, every: int, generates: int,
-             tokens: int, vocab: int, device: torch.device) -> dict:
+def converge(packed, budget: int, fraction: float, buffers: int | None, window: int, significance: float | None = None, *,
+             every: int, generates: int, tokens: int, vocab: int, device: torch.device) -> dict:
     import tiers
     from tiers.integration import manager_of
     from tiers.rebalance import Rebalancer
     from tools.routing import TraceRouting
 
     cfg = {"tiers": {"gpu": {"fraction": fraction}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
-                     "rebalance": {"every_tokens": every, "window": window}}}
+                     "rebalance": {"every_tokens": every, "window": window} | ({} if significance is None else {"significance": significance})}}
     count = Rebalancer.buffer_count
     if buffers is not None:
         Rebalancer.buffer_count = classmethod(lambda cls, manifest, cfg: buffers)
@@ -77,7 +79,7 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
     mgr = manager_of(m)
     prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=tokens, min_new_tokens=tokens)
-    row = {"buffers": len(mgr.rebalancer.buffers), "window": window, "generates": []}
+    row = {"buffers": len(mgr.rebalancer.buffers), "window": window, "significance": mgr.cfg.rebalance.significance, "generates": []}
     with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096) as trace:
         popularity = trace.popularity()
         row["coverage_at_load"], row["best_coverage"] = coverage(mgr.table, popularity, trace.layers)
@@ -101,7 +103,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--fractions", default="0.25,0.5")
-    ap.add_argument("--configs", default="auto:16,2:4", help="BUFFERS:WINDOW,... (BUFFERS a number or 'auto')")
+    ap.add_argument("--configs", default="2:4:0,auto:64", help="BUFFERS:WINDOW[:SIGNIFICANCE],... (BUFFERS a number or 'auto')")
     ap.add_argument("--generates", type=int, default=24)
     ap.add_argument("--tokens", type=int, default=33)
     ap.add_argument("--every", type=int, default=8)
@@ -124,10 +126,10 @@ def main() -> int:
     result = {"command": "python bench/hot_converge.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
               "every_tokens": args.every, "tokens_per_generate": args.tokens, "runs": []}
     for f in fractions:
-        for buffers, window in configs:
-            row = converge(packed, budget, f, buffers, window, every=args.every, generates=args.generates, tokens=args.tokens,
-                           vocab=shape["vocab_size"], device=device)
-            row = {"fraction": f, "config": f"{'auto' if buffers is None else buffers}:{window}"} | row
+        for (buffers, window, significance), spec in zip(configs, args.configs.split(",")):
+            row = converge(packed, budget, f, buffers, window, significance, every=args.every, generates=args.generates,
+                           tokens=args.tokens, vocab=shape["vocab_size"], device=device)
+            row = {"fraction": f, "config": spec} | row
             result["runs"].append(row)
             last = row["generates"][-1]
             print(f, row["config"], json.dumps({"buffers": row["buffers"], "best": round(row["best_coverage"], 3),

@@ -65,9 +65,10 @@ class NvmeTier:
 @dataclass(frozen=True)
 class Rebalance:
     every_tokens: int = 0  # re-count routing and rebalance the tiers every this many tokens; 0: off
-    window: int = 16  # the frequency is counted over the last ``window`` intervals of every_tokens
+    window: int = 64  # the frequency is counted over the last ``window`` intervals of every_tokens
     max_moves: int = 4  # experts promoted per rebalance, at most (each tier)
     margin: float = 0.25  # a newcomer must be used this much more often than the expert it replaces
+    significance: float = 3.0  # ... and by this many standard deviations of the difference of two Poisson counts
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ def parse_config(doc: Any) -> TiersConfig:
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
             f"{gpu.size.fraction} + {cpu.size.fraction} = {gpu.size.fraction + cpu.size.fraction}"
         )
-    return TiersConfig(gpu, cpu, nvme, _rebalance(_check_keys(tiers.get("rebalance"), "tiers.rebalance", {"every_tokens", "window", "max_moves", "margin"})))
+    return TiersConfig(gpu, cpu, nvme, _rebalance(_check_keys(tiers.get("rebalance"), "tiers.rebalance", {"every_tokens", "window", "max_moves", "margin", "significance"})))
 
 
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:
@@ -187,16 +188,21 @@ def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int
     return v
 
 
+def _number_in(d: dict, key: str, name: str, default: float, lo: float, hi: float) -> float:
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ValueError(f"{key}.{name}: expected a number in [{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
 def _rebalance(r: dict) -> Rebalance:
     d = Rebalance()
-    margin = r.get("margin", d.margin)
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin <= 100:
-        raise ValueError(f"tiers.rebalance.margin: expected a number in [0, 100], got {margin!r}")
     return Rebalance(
         every_tokens=_int_in(r, "tiers.rebalance", "every_tokens", d.every_tokens, 0, 1 << 30),
         window=_int_in(r, "tiers.rebalance", "window", d.window, 1, 1024),
         max_moves=_int_in(r, "tiers.rebalance", "max_moves", d.max_moves, 1, 1 << 20),
-        margin=float(margin),
+        margin=_number_in(r, "tiers.rebalance", "margin", d.margin, 0, 100),
+        significance=_number_in(r, "tiers.rebalance", "significance", d.significance, 0, 100),
     )
 
 

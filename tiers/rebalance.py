@@ -25,6 +25,7 @@ all hot (served through static maps, without routing on the host) are left alone
 from __future__ import annotations
 
 import heapq
+import math
 from collections import Counter, deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,8 +97,10 @@ class GroupState:
     busy: frozenset[ExpertKey] = frozenset()  # in flight or held: not moved this time
 
 
-def _better(new: float, old: float, margin: float) -> bool:
-    return new > old * (1.0 + margin) and new >= old + 1
+def _better(new: float, old: float, margin: float, significance: float = 0.0) -> bool:
+    """``new`` uses beat ``old`` by ``margin`` of ``old``, by one at least, and by ``significance``
+    standard deviations of the difference of two Poisson counts with those means."""
+    return new > old * (1.0 + margin) and new >= old + 1 and new - old >= significance * math.sqrt(new + old)
 
 
 def _least(keys: Iterable[ExpertKey], freq: Counter, n: int) -> list[ExpertKey]:
@@ -109,9 +112,10 @@ def _least(keys: Iterable[ExpertKey], freq: Counter, n: int) -> list[ExpertKey]:
     return sorted(unused) + heapq.nsmallest(n - len(unused), (k for k in keys if freq.get(k)), key=lambda k: (freq[k], k))
 
 
-def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: float) -> list[Move]:
+def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: float, significance: float = 0.0) -> list[Move]:
     """Promote the most used experts into the hot set and the warm pool, replacing the least used,
-    a newcomer only when used ``margin`` more often than what it replaces (no churn on noise).
+    a newcomer only when used ``margin`` more often than what it replaces and ``significance``
+    standard deviations more (``_better``: no churn on noise).
     At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic, except
     that a hot newcomer replaces, among the least used hot experts, one of its own layer first.
 
@@ -128,7 +132,7 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
     keys = group.keys if isinstance(group.keys, (set, frozenset)) else frozenset(group.keys)
     # (-uses, key) of the used experts that are neither hot nor busy: the newcomers to choose from
     used = [(-n, k) for k, n in freq.items() if n > 0 and k in keys and k not in group.hot and k not in group.busy]
-    moves = _hot_moves(freq, group, [k for _, k in heapq.nsmallest(max_moves, used)], max_moves, margin)
+    moves = _hot_moves(freq, group, [k for _, k in heapq.nsmallest(max_moves, used)], max_moves, margin, significance)
     promoted = {m.key for m in moves}
     free = group.free_places  # places freed by promotions from warm only free up when those land
     # Experts hot now stay out even when demoted by this plan: they are hot until their swap lands.
@@ -139,13 +143,14 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
         warm_moves.append(Move(new, Home.CPU, None))
     warm = (k for k in group.warm if k not in promoted and k not in group.busy)
     for new, old in zip(candidates[len(warm_moves):], _least(warm, freq, max_moves - len(warm_moves))):
-        if len(warm_moves) >= max_moves or not _better(freq[new], freq[old], margin):
+        if len(warm_moves) >= max_moves or not _better(freq[new], freq[old], margin, significance):
             break
         warm_moves.append(Move(new, Home.CPU, old))
     return moves + warm_moves
 
 
-def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max_moves: int, margin: float) -> list[Move]:
+def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max_moves: int, margin: float,
+               significance: float) -> list[Move]:
     """Each newcomer (most used first) replaces the least used hot expert left, by (uses, not of
     the newcomer's layer, key), while it is margin better. The victims' uses never decrease and
     the newcomers' never increase, so the first failure ends the plan. The least ``max_moves``
@@ -166,7 +171,7 @@ def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max
         if not left:
             break
         old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))
-        if not _better(freq[new], freq[old], margin):
+        if not _better(freq[new], freq[old], margin, significance):
             break
         moves.append(Move(new, Home.GPU, old))
         taken.add(old)
@@ -276,7 +281,7 @@ class Rebalancer:
                 free_places=len(self.free_places[id(pool)]),
                 busy=busy,
             )
-            for move in plan_moves(freq, state, max_moves=self.cfg.max_moves, margin=self.cfg.margin):
+            for move in plan_moves(freq, state, max_moves=self.cfg.max_moves, margin=self.cfg.margin, significance=self.cfg.significance):
                 if self._issue(move, pool):
                     issued.append(move)
         return issued

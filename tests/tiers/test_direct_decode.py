@@ -154,7 +154,7 @@ def test_direct_decode_with_the_rebalancer(device, checkpoint_factory, packed_fa
     untiered model's (bf16 tiers)."""
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
     ref.set_experts_implementation("grouped_mm")
-    cfg = {"tiers": DIRECT_BF16["tiers"] | {"rebalance": {"every_tokens": 2, "margin": 0.0, "window": 2}}}
+    cfg = {"tiers": DIRECT_BF16["tiers"] | {"rebalance": {"every_tokens": 2, "margin": 0.0, "significance": 0.0, "window": 2}}}
     model, mgr = _load(packed_factory("mixtral"), cfg, device)
     picks: Counter = Counter()
     taken: Counter = Counter()

@@ -80,6 +80,20 @@ def test_plan_promotes_the_frequent_and_respects_the_margin():
                       max_moves=4, margin=0.25) == []
 
 
+def test_plan_moves_only_on_a_significant_difference():
+    """With ``significance`` z, a newcomer must beat its victim by z standard deviations of the
+    difference of two Poisson counts, sqrt(new + old), besides the margin: 9 against 4 uses passes
+    the margin alone but not z = 3 (5 < 3 * sqrt(13)); 30 against 4 passes both (26 >= 17.5)."""
+    keys = (K(0, 0), K(0, 1))
+    g = GroupState(keys, hot=frozenset({K(0, 0)}), warm=frozenset(), free_places=0)
+    assert plan_moves(Counter({K(0, 1): 9, K(0, 0): 4}), g, max_moves=4, margin=0.25) == [Move(K(0, 1), Home.GPU, K(0, 0))]
+    assert plan_moves(Counter({K(0, 1): 9, K(0, 0): 4}), g, max_moves=4, margin=0.25, significance=3) == []
+    assert plan_moves(Counter({K(0, 1): 30, K(0, 0): 4}), g, max_moves=4, margin=0.25, significance=3) == [Move(K(0, 1), Home.GPU, K(0, 0))]
+    warm = GroupState((K(0, 0), K(0, 1)), hot=frozenset(), warm=frozenset({K(0, 0)}), free_places=0)  # the warm plan too
+    assert plan_moves(Counter({K(0, 1): 9, K(0, 0): 4}), warm, max_moves=4, margin=0.25, significance=3) == []
+    assert plan_moves(Counter({K(0, 1): 9, K(0, 0): 4}), warm, max_moves=4, margin=0.25) == [Move(K(0, 1), Home.CPU, K(0, 0))]
+
+
 def test_plan_fills_free_places_first_and_skips_busy_and_unused():
     keys = tuple(K(1, e) for e in range(5))
     g = GroupState(keys, hot=frozenset(), warm=frozenset(), free_places=2, busy=frozenset({K(1, 4)}))
@@ -194,7 +208,7 @@ BF16 = {"gpu": {"fraction": 0.25, "staging_slots": 2, "precision": "bf16"}, "cpu
 
 
 def manager(packed, every=4, **rebalance) -> TierManager:
-    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": every, "margin": 0.0} | rebalance}})
+    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": every, "margin": 0.0, "significance": 0.0} | rebalance}})
     manifest = read_manifest(packed)
     return TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), progress=False)
 
@@ -278,7 +292,7 @@ def test_hot_swap_forks_the_compute_stream_before_the_copy(packed_factory):
 
     rec = Recorder()
     streams = RecordingStreams(rec)
-    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": 1, "margin": 0.0, "max_moves": 1}}})
+    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": 1, "margin": 0.0, "significance": 0.0, "max_moves": 1}}})
     manifest = read_manifest(packed_factory("mixtral"))
     mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
     newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
@@ -303,7 +317,7 @@ def test_a_host_place_is_refilled_only_after_every_queued_read_of_it(packed_fact
 
     rec = Recorder()
     streams = RecordingStreams(rec)
-    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": 1, "margin": 0.0, "max_moves": 1}}})
+    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": 1, "margin": 0.0, "significance": 0.0, "max_moves": 1}}})
     manifest = read_manifest(packed_factory("mixtral"))
     mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
     fences = []
@@ -366,7 +380,7 @@ def test_generate_with_rebalancing_is_bit_identical(compute, device, checkpoint_
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
     ref.set_experts_implementation("eager" if compute == "eager" else "grouped_mm")
     cfg = {"tiers": BF16 | {"gpu": BF16["gpu"] | {"compute": compute, "staging_slots": 8, "fraction": 0.6},
-                            "rebalance": {"every_tokens": 2, "margin": 0.0, "window": 2}}}
+                            "rebalance": {"every_tokens": 2, "margin": 0.0, "significance": 0.0, "window": 2}}}
     model = tiers.load(packed_factory("mixtral"), cfg, device=device, progress=False)
     ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3)).to(device)
     kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
@@ -439,7 +453,7 @@ def test_a_demoted_expert_takes_the_place_its_newcomer_left(packed_factory, trut
     warm experts keep the places load gave them, so a part's reads stay back to back. Without
     reader threads the copy runs on the serving thread."""
     cfg = load_config({"tiers": BF16 | {"nvme": {"precision": "bf16", "reader_threads": threads},
-                                        "rebalance": {"every_tokens": 1, "margin": 0.0, "max_moves": 1}}})
+                                        "rebalance": {"every_tokens": 1, "margin": 0.0, "significance": 0.0, "max_moves": 1}}})
     manifest = read_manifest(packed_factory("mixtral"))
     mgr = TierManager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), progress=False)
     assert (mgr.rebalancer.pool is None) == (threads == 0)
