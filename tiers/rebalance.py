@@ -152,7 +152,7 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
 def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max_moves: int, margin: float,
                significance: float) -> list[Move]:
     """Each newcomer (most used first) replaces the least used hot expert left, by (uses, not of
-    the newcomer's layer, key), while it is margin better. The victims' uses never decrease and
+    the newcomer's layer, key), while it is better (``_better``: margin and significance). The victims' uses never decrease and
     the newcomers' never increase, so the first failure ends the plan. The least ``max_moves``
     of the group and of each newcomer's layer hold every victim the rule can pick."""
     movable = group.hot - group.busy
@@ -193,10 +193,10 @@ class Rebalancer:
 
     # Pinned promotion buffers (hot promotions in flight at once), each with a spare warm place
     # per pool: as many as fit PROMOTION_BYTES, at least MIN_BUFFERS, at most max_moves.
-    # Why: a rebalance promotes at most one expert per free buffer, so with two the hot set of a
-    # skewed trace took about 800 tokens to settle (every 8 tokens, bench/hot_layout.py-style CPU
-    # runs of Qwen3's counts); small experts cost little to buffer, large ones (Mixtral-8x7B:
-    # 336 MiB in bf16) keep two.
+    # Why: a rebalance promotes at most one expert per free buffer, so with two the hot set of the
+    # bench's skewed trace was still climbing after 800 tokens (every 8 tokens, Qwen3's counts on
+    # the CPU: bench/hot_converge.py, bench/results/hot_converge-qwen3_moe-*.json); small experts
+    # cost little to buffer, large ones (Mixtral-8x7B: 336 MiB in bf16) keep two.
     MIN_BUFFERS = 2
     PROMOTION_BYTES = 64 << 20
 
