@@ -83,34 +83,20 @@ def prefill_counts(model, ids) -> dict:
 
 
 def main() -> int:
+    from tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--fractions", default="0.25,0.5")
-    ap.add_argument("--generates", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=33)
-    ap.add_argument("--every", type=int, default=8)
+    add_counts_args(ap, generates=8)
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of the forward whose copies are counted (0: none)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    fractions = [float(f) for f in args.fractions.split(",")]
-    if not all(0 < f < 1 for f in fractions):
-        raise SystemExit(f"--fractions: each must lie in (0, 1), got {args.fractions!r}")
+    fractions = fractions_of(args.fractions)
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import TINY, build_packed, expert_bytes_of, scratch_dir, write_result
     from tools.routing import TraceRouting
 
     device = torch.device(args.device)
-    shape = dict(TINY[args.model], layers=args.layers, num_experts_per_tok=args.top_k)
-    shape["num_experts" if args.model == "qwen3_moe" else "num_local_experts"] = args.experts
-    model, packed = build_packed(args.model, args.layers, torch.device("cpu"), scratch_dir("tiers-layout-"), shape=shape)
-    budget = expert_bytes_of(model)
-    del model
+    shape, packed, budget = build_counts_model(args, "tiers-layout-")
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, shape["vocab_size"], (1, 16), generator=g).to(device)
     ids = torch.randint(0, shape["vocab_size"], (1, args.prefill), generator=g).to(device) if args.prefill else None

@@ -172,6 +172,43 @@ def shape_of(model_type: str, layers: int, device: torch.device) -> dict:
     return dict((SHAPES if device.type == "cuda" else TINY)[model_type], layers=layers)
 
 
+def add_counts_args(ap, *, generates: int) -> None:
+    """The flags of the bench scripts that route a model of real expert counts and tiny hidden
+    sizes by the skewed trace with the rebalancer on (``bench/hot_layout.py``, ``bench/hot_converge.py``)."""
+    ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--fractions", default="0.25,0.5")
+    ap.add_argument("--generates", type=int, default=generates)
+    ap.add_argument("--tokens", type=int, default=33)
+    ap.add_argument("--every", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", required=True)
+
+
+def fractions_of(text: str) -> list[float]:
+    """``--fractions``: comma-separated GPU fractions, each in (0, 1); refuses anything else."""
+    try:
+        fractions = [float(f) for f in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--fractions: expected numbers separated by commas, got {text!r}") from None
+    if not all(0 < f < 1 for f in fractions):
+        raise SystemExit(f"--fractions: each must lie in (0, 1), got {text!r}")
+    return fractions
+
+
+def build_counts_model(args, prefix: str) -> tuple[dict, Path, int]:
+    """The model ``add_counts_args``' flags describe (``TINY``'s hidden sizes), packed in both
+    precisions under a scratch directory: (its shape, the packed directory, its expert bytes)."""
+    shape = dict(TINY[args.model], layers=args.layers, num_experts_per_tok=args.top_k)
+    shape["num_experts" if args.model == "qwen3_moe" else "num_local_experts"] = args.experts
+    model, packed = build_packed(args.model, args.layers, torch.device("cpu"), scratch_dir(prefix), shape=shape)
+    budget = expert_bytes_of(model)
+    del model
+    return shape, packed, budget
+
+
 def build_packed(model_type: str, layers: int, device: torch.device, work, shape: dict | None = None):
     """A model of ``shape_of``'s shape (or ``shape``, layers included), and its pack in both
     precisions under ``work/packed`` (the checkpoint goes through ``work/hf``)."""

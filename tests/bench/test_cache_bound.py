@@ -2,8 +2,6 @@
 never beaten by the cache's own policies on a long trace."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +9,9 @@ import torch
 from tiers.cache import belady_hits, make_cache, replay
 from tiers.trace import TraceModel, lookups
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "cache_bound.py"
-_spec = importlib.util.spec_from_file_location("cache_bound", _PATH)
-cache_bound = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cache_bound)
+from bench_script import load
+
+cache_bound = load("cache_bound")
 
 
 def test_next_call_chances_count_k_picks_and_keep_sticky_experts():

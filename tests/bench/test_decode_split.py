@@ -2,16 +2,13 @@
 leave their owners as they found them."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import torch
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "decode_split.py"
-_spec = importlib.util.spec_from_file_location("decode_split", _PATH)
-decode_split = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(decode_split)
+from bench_script import load
+
+decode_split = load("decode_split")
 
 
 def _token(t0: float, layers: int, attn: float, experts: float, post: float) -> list[tuple]:

@@ -1,19 +1,16 @@
 """bench/hot_converge.py: the hot set's coverage of a trace's popularity, and its config parser."""
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 
 from loader.layout import ExpertKey
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "hot_converge.py"
-_spec = importlib.util.spec_from_file_location("hot_converge", _PATH)
-hot_converge = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hot_converge)
+from bench_script import load
+
+hot_converge = load("hot_converge")
 
 
 @dataclass

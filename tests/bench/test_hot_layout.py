@@ -1,17 +1,14 @@
 """bench/hot_layout.py: per-layer hot counts and slot runs read from a residency table."""
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
-from pathlib import Path
 
 from loader.layout import ExpertKey
 from tiers.integration import WINDOW_GAP
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "hot_layout.py"
-_spec = importlib.util.spec_from_file_location("hot_layout", _PATH)
-hot_layout = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(hot_layout)
+from bench_script import load
+
+hot_layout = load("hot_layout")
 
 
 @dataclass

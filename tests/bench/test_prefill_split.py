@@ -2,16 +2,13 @@
 synthetic marks with known device times."""
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "prefill_split.py"
-_spec = importlib.util.spec_from_file_location("prefill_split", _PATH)
-prefill_split = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prefill_split)
+from bench_script import load
+
+prefill_split = load("prefill_split")
 
 
 def _layer(i: int, t: float, attn: float, sync: float, plan: float, parts: list[float], gap: float, tail: float) -> tuple[list, float]:

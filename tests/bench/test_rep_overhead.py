@@ -1,14 +1,11 @@
 """bench/rep_overhead.py: per-repetition decode overhead read back from a bench result file."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "rep_overhead.py"
-_spec = importlib.util.spec_from_file_location("rep_overhead", _PATH)
-rep_overhead = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(rep_overhead)
+from bench_script import load
+
+rep_overhead = load("rep_overhead")
 
 
 def test_rows_report_the_per_repetition_overhead_and_skip_arms_without_it(tmp_path):

@@ -3,17 +3,14 @@ stream's gaps with the kernel time and host ranges inside them."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "trace_gaps.py"
-_spec = importlib.util.spec_from_file_location("trace_gaps", _PATH)
-trace_gaps = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_gaps)
+from bench_script import load
+
+trace_gaps = load("trace_gaps")
 
 
 def test_union_merges_overlapping_and_touching_spans():

@@ -139,9 +139,8 @@ def test_cache_bound_orders_the_policies():
     assert 0 < row["belady_hit_rate"] <= 1 and row["capacity"] == 16
 
 
-def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path, monkeypatch):
-    """Each repetition times the Tiers arm, then the paired all-GPU model: a host whose speed drifts
-    within seconds moves both, where one block after the other would not."""
+def _spy_generates(monkeypatch) -> list[tuple[str, int | None]]:
+    """Every ``generate`` from here on, in order: ("tiers" or "gpu", its max_new_tokens)."""
     from transformers import GenerationMixin
 
     from tiers.integration import _MANAGER_ATTR
@@ -154,6 +153,13 @@ def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path
         return generate(self, *a, **k)
 
     monkeypatch.setattr(GenerationMixin, "generate", spy)
+    return calls
+
+
+def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path, monkeypatch):
+    """Each repetition times the Tiers arm, then the paired all-GPU model: a host whose speed drifts
+    within seconds moves both, where one block after the other would not."""
+    calls = _spy_generates(monkeypatch)
     tokens = 2
     rc = bench.main(["--tiny", "--tokens", str(tokens), "--prefill", "16", "--reps", "2", "--device", "cpu", "--warmup-tokens", "5",
                      "--arms", "tiers_25_int8", "--out", str(tmp_path)])
@@ -193,19 +199,8 @@ def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monke
     """``--rebalance-warmup 150``: the skewed arm with the rebalancer generates 64 + 64 + 22 more
     tokens after its ordinary warm-up and before its first timed generate; the arm without the
     rebalancer and the all-GPU arms generate none of them. A negative count is refused."""
-    from transformers import GenerationMixin
-
-    from tiers.integration import _MANAGER_ATTR
-
     assert bench.rebalance_warmup_generates(150) == [64, 64, 22] and bench.rebalance_warmup_generates(0) == []
-    calls = []
-    generate = GenerationMixin.generate
-
-    def spy(self, *a, **k):
-        calls.append(("tiers" if hasattr(self, _MANAGER_ATTR) else "gpu", k.get("max_new_tokens")))
-        return generate(self, *a, **k)
-
-    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    calls = _spy_generates(monkeypatch)
     for arm in ("tiers_25_int8@skewed", "tiers_25_int8@skewed_norebal"):
         calls.clear()
         rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5",
