@@ -225,7 +225,7 @@ def main() -> int:
         from tools.routing import TraceRouting
 
         if "@skewed" in name:  # as tools/bench.py routes its skewed arms
-            with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
+            with TraceRouting(m, tokens=4096):
                 return measured(name, m, variants)
         return measured(name, m, variants)
 

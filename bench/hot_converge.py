@@ -80,7 +80,7 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
     prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=tokens, min_new_tokens=tokens)
     row = {"buffers": len(mgr.rebalancer.buffers), "window": window, "significance": mgr.cfg.rebalance.significance, "generates": []}
-    with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096) as trace:
+    with TraceRouting(m, tokens=4096) as trace:
         popularity = trace.popularity()
         row["coverage_at_load"], row["best_coverage"] = coverage(mgr.table, popularity, trace.layers)
         for _ in range(generates):

@@ -110,7 +110,7 @@ def main() -> int:
         layers = sorted(mgr.manifest.layers)
         place = mgr.transit[id(mgr.pools[0])].shape[1]
         row = {"load": layout_summary(mgr.table, layers, args.experts, place)}
-        with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=4096):
+        with TraceRouting(m, tokens=4096):
             at_load = prefill_counts(m, ids) if ids is not None else None
             for _ in range(args.generates):
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)

@@ -8,7 +8,7 @@ or Python on the GPU, so this measures with clocks alone. Each config is precisi
 slots : prefetch depth : GPU fraction (the rest warm), and optionally : whole (``on``: every long
 call reads its whole layer without a sync, ``off``: none does; ``auto``: as the engine decides,
 the default), : buffers (how many buffers a whole-layer call splits its slots into), : plan
-(``copy``, the default, or ``compute``: the stream a whole-layer call uploads its plan on) and
+(``copy``, the default, or ``compute``: the stream a whole-layer call uploads its plan on),
 : dequant (``kernel``, the default, or ``torch``: how INT8 stacks are dequantized on CUDA,
 ``quant.int8.USE_KERNEL``, set before each of the config's prefills) and : route
 (``uniform``, the default: the random-weight routers; ``skewed``: the bench's skewed trace,
@@ -304,7 +304,7 @@ def main() -> int:
         mgr.WHOLE_PLAN_ON_COPY = f["plan"] == "copy"
         int8_scheme.USE_KERNEL = f["dequant"] == "kernel"
         if f["route"] != "uniform":  # stays on for the run: each call takes the trace's next rows
-            TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=max(4096, 2 * args.prefill))
+            TraceRouting(m, tokens=max(4096, 2 * args.prefill))
             layers = sorted(mgr.manifest.layers)
             layouts[spec] = {"load": layout_summary(mgr.table, layers, n_experts)}
             if f["route"].startswith("rebal"):

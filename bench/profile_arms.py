@@ -158,7 +158,7 @@ def main() -> int:
         from tools.routing import TraceRouting
 
         if "@skewed" in name:  # as tools/bench.py routes its skewed arms
-            with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=max(4096, 2 * args.prefill)):
+            with TraceRouting(m, tokens=max(4096, 2 * args.prefill)):
                 return profiled(name, m)
         return profiled(name, m)
 

@@ -44,7 +44,7 @@ def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
                          "rebalance": {"every_tokens": rebalance_every}}}
         m = tiers.load(work / "packed", cfg, device="cpu", progress=False)
         mgr = manager_of(m)
-        with TraceRouting(m, zipf_s=1.2, reuse_p=0.5, seed=seed, tokens=4 * tokens):
+        with TraceRouting(m, seed=seed, tokens=4 * tokens):
             kw = dict(do_sample=False, pad_token_id=0)
             m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw)  # warm-up: the rebalancer's first rounds
             mgr.reset_stats()

@@ -32,7 +32,8 @@ class TraceRouting:
 
     Installs the hooks on construction; ``remove()`` (or leaving a ``with`` block) takes them off.
 
-    - ``zipf_s``, ``reuse_p``, ``seed``: the ``TraceModel`` (``zipf_s=0, reuse_p=0`` is uniform).
+    - ``zipf_s``, ``reuse_p``, ``seed``: the ``TraceModel`` (``zipf_s=0, reuse_p=0`` is uniform); the
+      defaults are the skewed trace the bench scripts route by.
     - ``tokens``: trace length sampled up front (4096 covers a 2048-token prefill plus decode);
       a layer that runs past the end wraps around to row 0.
     - ``top_k``: picks per token; default ``config.num_experts_per_tok``. Every call must match it.
