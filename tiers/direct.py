@@ -77,6 +77,7 @@ class DirectDecoder:
         self._direct_version = -1  # the residency table's homes_version the tables were built at
         self._direct_built_at: dict[int, int] = {}  # layer -> the table's layer version its tables were built at
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
+        self._reserved_dst: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (pool id, slots) -> those slots on the device
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
         self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
         # picks per expert of every layer, counted on the device for the rebalancer (fetched once per interval)
@@ -116,8 +117,10 @@ class DirectDecoder:
     def _build_direct(self) -> dict[int, _DirectLayer]:
         """The direct tables of every layer that qualifies (not static, its cpu precision decoded in
         place, every expert hot or warm). A layer whose tables did not change since the last build
-        keeps its tensors; a changed one gets new tensors (kernels queued earlier keep reading the
-        tables they were given), uploaded through the pinned ring, without a host sync."""
+        keeps them; a changed one that had tables gets its new values written into the same
+        tensors on the current stream (the compute stream, where every direct call reads them: the
+        calls queued earlier read the old values, later ones the new), a newly qualified one new
+        tensors; all uploaded through the pinned ring, without a host sync."""
         out: dict[int, _DirectLayer] = {}
         precision = self.cfg.cpu.precision
         built = self._direct_layers or {}
@@ -136,6 +139,11 @@ class DirectDecoder:
             starts = [0 if r.pinned else r.host_offset for r in rows]
             resident = [r.slot if r.pinned else -1 for r in rows]
             self._direct_built_at[layer] = version
+            if layer in built:  # rewritten in place, in stream order: the decode graphs keep their addresses
+                old = out[layer] = built[layer]
+                old.starts.copy_(self.upload_ints(starts, torch.int64))
+                old.resident.copy_(self.upload_ints(resident))
+                continue
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
             usage = None if self._usage is None else self._usage[self._layer_row[layer], : entry.layout.num_experts]
@@ -183,7 +191,10 @@ class DirectDecoder:
             for s in slots:
                 assert pool.readers[s] == 0, f"slot {s} is held between forwards"
                 self.reserve_slot(pool, s, compute)
-            self._reserved[id(pool)] = _Reserved(slots, torch.tensor(slots, dtype=torch.int32, device=self.device))
+            dst = self._reserved_dst.get((id(pool), tuple(slots)))
+            if dst is None:  # the same slots get the same tensor each decode stage: the decode graphs keep it
+                dst = self._reserved_dst[(id(pool), tuple(slots))] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+            self._reserved[id(pool)] = _Reserved(slots, dst)
 
     def end_decode(self) -> None:
         """The decode stage ended: the reserved slots go back, read last by what is queued now."""
@@ -209,7 +220,8 @@ class DirectDecoder:
 
     def fetch_direct(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
         """The slot of each pick (int64, shaped as ``top_k_index``), with every miss decoded into
-        a reserved slot; queued on the current stream, no sync. With a rebalancer the call is
+        a reserved slot; queued on the current stream, no sync, as a decode graph where those are
+        on (the result is then the graph's static output, rewritten by this layer's next call). With a rebalancer the call is
         noted first (its swaps land at the first layer): if that leaves this layer unqualified (an
         expert went to disk), None, and the caller runs the host-routed path for this call, whose
         routing the rebalancer has yet to count (``begin_call(..., noted=True)``)."""
@@ -221,13 +233,22 @@ class DirectDecoder:
         if d is None:
             return None
         flat = top_k_index.reshape(-1)
-        ids = torch.empty(flat.shape, dtype=torch.int64, device=flat.device)
         dst = self._reserved[id(d.pool)].dst[: flat.numel()]
+        src = self.host.slab
         start = None
         if self.timing:
             start = self.streams.event(timing=True)
             start.record(self.streams.current())
-        direct.fetch(self.host.slab, d.starts, d.resident, flat, dst, ids, d.counts, d.tensors, d.usage)
+
+        starts, resident, counts, usage, tensors = d.starts, d.resident, d.counts, d.usage, d.tensors
+
+        def step(picks: torch.Tensor) -> torch.Tensor:  # reads and writes only ``bound`` besides its input
+            ids = torch.empty(picks.shape, dtype=torch.int64, device=picks.device)
+            direct.fetch(src, starts, resident, picks, dst, ids, counts, tensors, usage)
+            return ids
+
+        bound = (src, starts, resident, dst, counts, usage, *(t.out for t in tensors))
+        ids = self.graphs.run(("fetch", layer), bound, step, (flat,), fresh=False)
         self.stats_.direct_calls += 1
         if start is not None:
             end = self.streams.event(timing=True)

@@ -40,6 +40,7 @@ from loader.layout import ExpertKey
 from loader.packed import Manifest
 from tiers.config import TiersConfig
 from tiers.direct import DirectDecoder
+from tiers.graphs import DecodeGraphs
 from tiers.streamed import StreamedCalls
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
@@ -305,6 +306,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
         )
         self._init_direct(cfg.cpu.direct_reads)
+        # generate's decode stage replays direct and static layers' experts calls as CUDA graphs
+        self.graphs = DecodeGraphs(device, cfg.gpu.decode_graphs and device.type == "cuda")
         self.streamed_calls = True  # long calls of warm misses stream part by part (tiers.streamed)
         self.stream_direct = False  # ... through the copy engine, not direct stacks
         self.stream_ahead = False  # ... and then stage the next layer's first warm experts (slower in the H200 prefill A/Bs)
@@ -986,6 +989,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._static_hits.zero_()
         self._static_host_hits = 0
         self.reset_direct()
+        self.graphs.reset_counts()
 
     def stats(self) -> TierStats:
         self.settle()
@@ -1025,6 +1029,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             memory=memory,
             device=str(self.device),
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},
+            graphs=self.graphs.counts(),
         )
 
     def close(self) -> None:

@@ -212,13 +212,23 @@ def tiers_grouped_experts_forward(
     if static is not None:  # every expert of this layer is hot: no sync, no staging, no events
         mgr.count_static(binding.layer, top_k_index)
         # In generate's decode stage on a GPU, transformers runs its grouped_mm experts as
-        # batched_mm; a layer whose experts are all hot does exactly what the untiered one does.
-        forward = batched_mm_experts_forward if mgr.decoding else grouped_mm_experts_forward
+        # batched_mm; a layer whose experts are all hot does exactly what the untiered one does
+        # (there replayed as a decode graph, where those are on).
         view = mgr.static_views.get(binding.layer)
         if view is not None:
-            return forward(_proxy(self, view, self.num_experts), hidden_states, top_k_index, top_k_weights)
-        pool = mgr.pool_of[binding.layer]
-        return forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, static[top_k_index], top_k_weights)
+            proxy, bound = _proxy(self, view, self.num_experts), tuple(view.values())
+            if not mgr.decoding:
+                return grouped_mm_experts_forward(proxy, hidden_states, top_k_index, top_k_weights)
+            step = functools.partial(batched_mm_experts_forward, proxy)
+        else:
+            pool = mgr.pool_of[binding.layer]
+            proxy, bound = _proxy(self, pool.slabs, pool.n_slots), (static, *pool.slabs.values())
+            if not mgr.decoding:
+                return grouped_mm_experts_forward(proxy, hidden_states, static[top_k_index], top_k_weights)
+
+            def step(h: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return batched_mm_experts_forward(proxy, h, static[idx], w)
+        return mgr.graphs.run(("static", binding.layer), bound, step, (hidden_states, top_k_index, top_k_weights))
     if mgr.whole_layer(binding.layer, *top_k_index.shape):
         if len(mgr.unsettled) >= mgr.UNSETTLED_CALLS:  # else counted at the next call that waits, off a prefill's host path
             mgr.settle(block=False)
@@ -232,7 +242,11 @@ def tiers_grouped_experts_forward(
         ids = mgr.fetch_direct(binding.layer, top_k_index)  # [T, k] slots
         if ids is not None:
             pool = mgr.pool_of[binding.layer]
-            return batched_mm_experts_forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, ids, top_k_weights)
+            proxy = _proxy(self, pool.slabs, pool.n_slots)
+
+            def step(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return batched_mm_experts_forward(proxy, h, ids, w)
+            return mgr.graphs.run(("direct", binding.layer), (ids, *pool.slabs.values()), step, (hidden_states, top_k_weights))
         noted = True  # the rebalancer moved an expert of this layer to disk: the host-routed path, already noted
     with torch.no_grad():
         hit, counts, picks = _route(self, binding, hidden_states, top_k_index)

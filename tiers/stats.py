@@ -32,6 +32,8 @@ class TierStats:
     # calls, parts: long calls read part by part into reserved slots; whole: of those, calls that
     # read their layer's every warm expert without a sync; unused, unused_bytes: what those read in vain
     streamed: dict[str, int] = field(default_factory=dict)
+    # on (0/1), graphs (held now), captured, replayed, eager, failed: decode calls replayed as CUDA graphs (tiers.graphs)
+    graphs: dict[str, int] = field(default_factory=dict)
 
     @property
     def h2d_gbps(self) -> float:
@@ -54,6 +56,7 @@ class TierStats:
             "rebalance": dict(self.rebalance),
             "direct": dict(self.direct),
             "streamed": dict(self.streamed),
+            "graphs": dict(self.graphs),
         }
 
     def __str__(self) -> str:
@@ -90,6 +93,10 @@ class TierStats:
         if self.direct.get("decode_calls") or self.direct.get("stacks"):
             lines.append(f"direct reads: {self.direct['decode_calls']} decode layer calls, {self.direct['stacks']} stacks "
                          "decoded by the GPU straight from pinned memory")
+        if self.graphs.get("replayed") or self.graphs.get("failed"):
+            g = self.graphs
+            lines.append(f"decode graphs: {g['replayed']} layer calls replayed from {g['graphs']} graphs ({g['captured']} captured, "
+                         f"{g['eager']} calls eager, {g['failed']} captures failed)")
         if self.streamed.get("calls"):
             lines.append(f"streamed: {self.streamed['calls']} long layer calls read in {self.streamed['parts']} parts into reserved slots")
             if self.streamed.get("whole"):

@@ -232,6 +232,7 @@ def run(args) -> dict:
                 elapsed = time.perf_counter() - t0
                 st = mgr.stats()
                 runs[n].append((elapsed, dict(st.bytes_moved) | {"_stall": st.stall_seconds}))
+                graphs = st.graphs  # the last timed generate's decode graphs
             with routed(paired, name):
                 for n in paired_runs:
                     sync(device)
@@ -279,6 +280,7 @@ def run(args) -> dict:
             "gpu_hits_vs_belady": [engine_hits, belady_hits(trace, all_slots, set()), len(trace)],
             "rebalance": s.rebalance,
             "prefetch": s.prefetch,
+            "decode_graphs": graphs,
             "host_pinned": bool(s.memory["host_pinned"]),
             # each repetition's decode, the arm's and its pair's (timed one after the other): how
             # far the host's slow phases move single repetitions, which the medians above hide
@@ -321,7 +323,8 @@ def run(args) -> dict:
             transit = entry.blobs[precision].stride if precision != "bf16" else 0
             n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it may take more for a streamed part's bytes)
             gpu = {"budget": n * (entry.layout.nbytes() + transit), "staging_slots": n}
-        cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth},
+        cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth,
+                                       "decode_graphs": args.decode_graphs == "on"},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
                          # the rebalancer follows skewed routing; under uniform routing it has nothing to
                          # learn, and those arms keep the YAML default (off)
@@ -559,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                          "repetitions see a settled hot set (0: none, the rebalancer still settling while timed)")
     ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
     ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
+    ap.add_argument("--decode-graphs", choices=["on", "off"], default="on" if TiersConfig().gpu.decode_graphs else "off",
+                    help="Tiers decode graphs (tiers.gpu.decode_graphs; default: the YAML default)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")

@@ -41,6 +41,15 @@ def test_tiny_bench_runs_and_reports(tmp_path):
         assert all(row[p] <= row["belady"] for p in ("lru", "lfu", "forecast", "markov"))
     md = (tmp_path / "bench-mixtral-tiny.md").read_text()
     assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md
+    assert t["config"]["tiers"]["gpu"]["decode_graphs"] is True and "decode_graphs" in t  # the YAML default, and the arm's counts
+
+
+def test_decode_graphs_flag_reaches_the_tiers_arms(tmp_path):
+    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "2",
+                     "--arms", "tiers_25_int8", "--decode-graphs", "off", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
+    assert r["arms"]["tiers_25_int8"]["config"]["tiers"]["gpu"]["decode_graphs"] is False
 
 
 def test_rep_overhead_is_the_median_of_differences_within_repetitions():

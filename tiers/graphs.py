@@ -1,0 +1,166 @@
+"""Decode graphs: a decode step's experts work replayed as captured CUDA graphs.
+
+Owns: ``DecodeGraphs``, a cache of graphs keyed by what a call runs (its layer, its part, the
+shapes and dtypes of its inputs) and checked against the tensors it was captured with.
+
+Why: batch-1 decode is bound by the host. transformers' batched_mm experts forward is about
+ten kernels, each launched from Python, and a direct decode call adds the fetch's launch; on the
+H200 machine a 12-layer Qwen3 token spent 1.7-4.1 ms more than the all-GPU model in every
+offloaded arm, whatever it moved (``bench/results/bench-qwen3_moe-run29.md``). A graph replays
+the same kernels with one launch from the host. The slabs never move and the direct tables
+are rewritten in place (``tiers.direct``), so the addresses a graph holds stay valid.
+
+Contract: ``run(key, bound, step, inputs)`` returns what ``step(*inputs)`` returns. ``step``
+must be a function of its inputs and of the tensors listed in ``bound`` (every other tensor it
+reads or writes), free of host syncs and of host-visible results. The first call with a key
+(or with other ``bound`` tensors than before) runs ``step`` eagerly: it warms up kernels and
+libraries. The next one captures it into a graph with static copies of the inputs, and every
+later call copies its inputs there and replays. A step that cannot be captured (a host sync in
+it, say) runs eagerly from then on. The returned tensor is a fresh copy: the graph's own output
+is overwritten by its next replay.
+
+Invariant: a graph is replayed only with the very tensors it was captured with: ``bound``'s
+data pointers, shapes and strides are part of the check, so a table rebuilt as a new tensor
+recaptures instead of reading freed memory.
+
+All graphs share one memory pool (they replay one after another on the compute stream, never
+at once), so the pool holds about the largest step's intermediates, not their sum. On devices
+without CUDA graphs the manager uses ``HostGraph``, which replays by calling the step on the
+static inputs: the CPU tests run the same caching, static buffers and checks through it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def signature(tensors: Sequence[torch.Tensor | None]) -> tuple:
+    """What a graph relies on of the tensors it reads: address, shape, strides and dtype."""
+    return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+class HostGraph:
+    """A graph that replays by calling its step: what a graph does, for devices without them.
+
+    ``capture`` runs nothing (as a CUDA capture runs no kernel); ``replay`` calls the step on the
+    static inputs and keeps its result in one output tensor, the same object every replay."""
+
+    def __init__(self) -> None:
+        self._step: Callable[..., torch.Tensor] | None = None
+        self._inputs: tuple[torch.Tensor, ...] = ()
+        self.output: torch.Tensor | None = None
+
+    def capture(self, step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
+        self._step, self._inputs = step, inputs
+
+    def replay(self) -> torch.Tensor:
+        out = self._step(*self._inputs)
+        if self.output is None:
+            self.output = out
+        else:
+            self.output.copy_(out)
+        return self.output
+
+
+class CudaGraph:
+    """A ``torch.cuda.CUDAGraph`` captured on a side stream into the shared pool, replayed on
+    the current stream. Capture errors stay with the capturing thread (``thread_local``), so the
+    rebalancer's and readers' threads may keep using CUDA meanwhile."""
+
+    def __init__(self, pool: Any, stream: Any) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._pool, self._stream = pool, stream
+        self.output: torch.Tensor | None = None
+
+    def capture(self, step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
+        current = torch.cuda.current_stream()
+        self._stream.wait_stream(current)  # the static inputs' copies and the warm-up precede the capture
+        with torch.cuda.stream(self._stream):
+            self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                self.output = step(*inputs)
+            finally:
+                self._graph.capture_end()
+        current.wait_stream(self._stream)
+
+    def replay(self) -> torch.Tensor:
+        self._graph.replay()
+        return self.output
+
+
+@dataclass
+class _Entry:
+    bound: tuple
+    graph: Any = None  # None: seen once, eagerly
+    inputs: tuple[torch.Tensor, ...] = ()
+    eager: bool = False  # its capture failed: eager from now on
+    kept: list = field(default_factory=list)  # the bound tensors themselves, alive as long as the graph
+
+
+class DecodeGraphs:
+    """The graphs of one tier manager. ``enabled`` False: every call runs eagerly."""
+
+    MAX_GRAPHS = 512  # keys kept at most (a decode's shapes are few; beyond this, the oldest go)
+
+    def __init__(self, device: torch.device, enabled: bool, graph: Callable[[], Any] | None = None):
+        self.enabled = enabled
+        if graph is None and enabled:
+            if device.type == "cuda":
+                pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(device)
+                graph = lambda: CudaGraph(pool, stream)  # noqa: E731
+            else:
+                graph = HostGraph
+        self._new_graph = graph
+        self._entries: dict[Hashable, _Entry] = {}
+        self.captured = self.replayed = self.eager_calls = self.failed = 0
+
+    def run(self, key: Hashable, bound: Sequence[torch.Tensor | None], step: Callable[..., torch.Tensor],
+            inputs: tuple[torch.Tensor, ...], fresh: bool = True) -> torch.Tensor:
+        """See the module docstring; ``fresh`` False returns a replay's static output itself (for a
+        next step that binds it, read before this key's next call)."""
+        if not self.enabled:
+            return step(*inputs)
+        key = (key, tuple((tuple(x.shape), x.dtype, x.device) for x in inputs))
+        sig = signature(bound)
+        entry = self._entries.get(key)
+        if entry is None or entry.bound != sig:
+            if len(self._entries) >= self.MAX_GRAPHS:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = _Entry(sig)
+            self.eager_calls += 1
+            return step(*inputs)  # the warm-up: compiles, loads and initializes outside any capture
+        if entry.eager:
+            self.eager_calls += 1
+            return step(*inputs)
+        if entry.graph is None:
+            static = tuple(x.clone() for x in inputs)
+            graph = self._new_graph()
+            try:
+                with torch.no_grad():
+                    graph.capture(step, static)
+            except Exception as exc:  # a step that cannot be captured: eager from now on
+                entry.eager = True
+                self.failed += 1
+                self.eager_calls += 1
+                log.warning("tiers: decode graph for %r not captured (%s); that call runs eagerly", key[0], exc)
+                return step(*inputs)
+            entry.graph, entry.inputs, entry.kept = graph, static, [t for t in bound if t is not None]
+            self.captured += 1
+        else:
+            for dst, x in zip(entry.inputs, inputs):
+                dst.copy_(x)
+        self.replayed += 1
+        out = entry.graph.replay()
+        return out.clone() if fresh else out
+
+    def reset_counts(self) -> None:
+        self.captured = self.replayed = self.eager_calls = self.failed = 0
+
+    def counts(self) -> dict[str, int]:
+        return {"on": int(self.enabled), "graphs": sum(e.graph is not None for e in self._entries.values()),
+                "captured": self.captured, "replayed": self.replayed, "eager": self.eager_calls, "failed": self.failed}
