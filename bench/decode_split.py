@@ -36,6 +36,11 @@ Variants, to find where an arm's host time goes (each ``~name`` before the ``@``
 - ``~gcoff``: Python's garbage collector off while the arm is timed;
 - ``~switch``: the interpreter's thread switch interval at 50 us (5 ms by default) while timed,
   which shortens how long the serving thread can wait for the GIL behind another thread.
+- ``~nograph``: decode graphs off (``tiers.gpu.decode_graphs: false``): every experts call
+  launches its kernels one by one from Python.
+
+``--rebalance-warmup N``: ``@skewed`` arms with the rebalancer generate N more tokens before
+timing (as ``tools/bench.py``), so the timed tokens see a settled hot set.
 
 ``token_ms_all`` lists every timed token's host time, rep by rep, so work done every few tokens
 shows where it falls. ``--cprofile N`` also runs one generate under cProfile per arm and keeps
@@ -152,7 +157,7 @@ class Clock:
                    "token_ms_all": [round(r["token_ms"], 3) for r in rows]})
 
 
-VARIANTS = ("idle", "inline", "gcoff", "switch")
+VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph")
 
 
 @contextlib.contextmanager
@@ -205,9 +210,11 @@ def main() -> int:
     ap.add_argument("--rebalance-every", type=int, default=8, help="@skewed arms: rebalance every this many tokens (as tools/bench.py)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also profile one generate per arm with cProfile; keep the top N functions by own time")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rebalance-warmup", type=int, default=0, help="@skewed arms with the rebalancer: tokens generated before timing (as tools/bench.py)")
     args = ap.parse_args()
 
     import tiers
+    from tools.bench import rebalance_warmup_generates
     from tiers.integration import manager_of
     from tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of, write_result
 
@@ -232,6 +239,9 @@ def main() -> int:
     def measured(name, m, variants) -> None:
         kw = dict(do_sample=False, pad_token_id=0)
         m.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+        if name.endswith("@skewed") and not name.startswith("all_gpu"):  # the rebalancer's own warm-up
+            for n in rebalance_warmup_generates(args.rebalance_warmup):
+                m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
         with timed_conditions(variants):
             row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
         clock = Clock(device)
@@ -295,7 +305,7 @@ def main() -> int:
         pct, precision, nodirect, variants, skewed = parse_arm(name)
         every = args.rebalance_every if skewed == "@skewed" else 0
         nvme = {"precision": precision} | ({"reader_threads": 0} if "inline" in variants else {})
-        cfg = {"tiers": {"gpu": {"fraction": pct / 100},
+        cfg = {"tiers": {"gpu": {"fraction": pct / 100, "decode_graphs": "nograph" not in variants},
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
                          "nvme": nvme,
                          "rebalance": {"every_tokens": (1 << 30) if every and "idle" in variants else every}}}

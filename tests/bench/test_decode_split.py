@@ -69,6 +69,7 @@ def test_arm_variants_are_read_and_unknown_ones_refused():
     assert decode_split.parse_arm("tiers_25_int8@skewed") == (25, "int8", False, frozenset(), "@skewed")
     assert decode_split.parse_arm("tiers_50_int8-nodirect~inline~gcoff@skewed_norebal") == (
         50, "int8", True, frozenset({"inline", "gcoff"}), "@skewed_norebal")
+    assert decode_split.parse_arm("tiers_50_int8~nograph@skewed") == (50, "int8", False, frozenset({"nograph"}), "@skewed")
     for bad, says in (("tiers_25_int8~fast@skewed", "unknown variant"), ("tiers_x_int8", "cannot read"),
                       ("tiers_25_int8~idle@skewed_norebal", "only @skewed arms"), ("tiers_25_int8~idle", "only @skewed arms")):
         try:
