@@ -222,3 +222,25 @@ def test_decode_graphs_match_eager_decode_through_rebalances(model_type, device,
         assert d is None or (d.starts is starts and d.resident is resident), f"layer {L}'s tables were replaced, not rewritten"
     eager_mgr.close()
     mgr.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_that_syncs_falls_back_to_eager_on_cuda(caplog):
+    """CUDA twin of the failed-capture test: a step with a host sync cannot be captured; the
+    call still returns the step's result, and later calls run eagerly, with CUDA still usable."""
+    dev = torch.device("cuda")
+    g = DecodeGraphs(dev, True)
+    table = torch.tensor([2.0, 1.0], device=dev)
+
+    def step(x):
+        scale = float(table[0].item())  # a host sync: refused while the stream is capturing
+        return x * scale + table[1]
+
+    outs = [g.run("sync", (table,), step, (torch.full((4,), float(i), device=dev),)) for i in range(4)]
+    assert [o.tolist() for o in outs] == [[2.0 * i + 1.0] * 4 for i in range(4)]
+    assert g.counts()["failed"] == 1 and g.counts()["graphs"] == 0 and g.counts()["eager"] == 4
+    assert "not captured" in caplog.text
+    good = DecodeGraphs(dev, True)  # graphs still capture and replay after the failure
+    outs = [good.run("ok", (table,), _affine(table), (torch.full((4,), float(i), device=dev),)) for i in range(3)]
+    assert outs[2].tolist() == [5.0] * 4 and good.counts()["replayed"] == 2
