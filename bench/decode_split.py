@@ -64,35 +64,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-
-class Steps:
-    """Host time in named callables, wrapped on their owners while a measurement runs."""
-
-    def __init__(self):
-        self.ms: dict[str, float] = {}
-        self.calls: dict[str, int] = {}
-        self._undo: list = []
-
-    def wrap(self, owner, attr: str, label: str) -> None:
-        fn, own = getattr(owner, attr), attr in vars(owner)
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.ms[label] = self.ms.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
-                self.calls[label] = self.calls.get(label, 0) + 1
-        setattr(owner, attr, timed)
-        self._undo.append((owner, attr, fn, own))
-
-    def restore(self) -> None:
-        for owner, attr, fn, own in reversed(self._undo):
-            if own:
-                setattr(owner, attr, fn)
-            else:
-                delattr(owner, attr)
-        self._undo = []
+from tools.measure import Steps  # noqa: E402
 
 
 class Clock:

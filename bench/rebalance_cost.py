@@ -30,49 +30,15 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 import argparse  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
-from collections import Counter  # noqa: E402
 
 import torch  # noqa: E402
-
-class StepClock:
-    """Wall time and calls of methods wrapped on their instances (``restore`` unwraps them)."""
-
-    def __init__(self) -> None:
-        self.seconds: Counter = Counter()
-        self.calls: Counter = Counter()
-        self._wrapped: list[tuple[object, str]] = []
-
-    def wrap(self, obj, name: str, label: str | None = None, split=None) -> None:
-        """Time ``obj.name`` under ``label``; ``split(args)`` may name a sub-label per call instead."""
-        fn, label = getattr(obj, name), label or name
-
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                at = split(a, k) if split is not None else label
-                self.seconds[at] += time.perf_counter() - t0
-                self.calls[at] += 1
-
-        setattr(obj, name, timed)
-        self._wrapped.append((obj, name))
-
-    def clear(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
-    def restore(self) -> None:
-        for obj, name in self._wrapped:
-            vars(obj).pop(name, None)
-        self._wrapped.clear()
-
 
 def measure(packed, budget: int, fraction: float, *, every: int, generates: int, timed: int, tokens: int, vocab: int,
             device: torch.device, staging: int | str = "auto") -> dict:
     import tiers
     from tiers.graphs import DecodeGraphs
     from tiers.integration import manager_of
+    from tools.measure import Steps
     from tools.routing import TraceRouting
 
     cfg = {"tiers": {"gpu": {"fraction": fraction, "staging_slots": staging}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
@@ -83,12 +49,12 @@ def measure(packed, budget: int, fraction: float, *, every: int, generates: int,
         mgr.batched_decode = mgr.direct_decode = True
         mgr.graphs = DecodeGraphs(device, True)
     rb = mgr.rebalancer
-    clock = StepClock()
+    clock = Steps()
     for name in ("land", "rebalance", "_issue", "_finish_hot"):
-        clock.wrap(rb, name)
+        clock.wrap(rb, name, name)
     for name in ("take_direct_usage", "_refresh_direct"):
-        clock.wrap(mgr, name)
-    clock.wrap(rb, "note_call", split=lambda a, k: "note_first" if (k.get("first") if "first" in k else a[3]) else "note_other")
+        clock.wrap(mgr, name, name)
+    clock.wrap(rb, "note_call", "note_call", split=lambda a, k: "note_first" if (k["first"] if "first" in k else a[3]) else "note_other")
     prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=tokens, min_new_tokens=tokens)
     with TraceRouting(m, tokens=4096):
@@ -104,7 +70,7 @@ def measure(packed, budget: int, fraction: float, *, every: int, generates: int,
     n = timed * tokens
     row = {"fraction": fraction, "tokens_timed": n, "wall_ms_per_token": wall / n * 1e3,
            "promoted_hot": rb.counts["promoted_hot"] - before["promoted_hot"], "rebalances": rb.counts["rebalances"] - before["rebalances"],
-           "steps_ms_per_token": {k: v / n * 1e3 for k, v in sorted(clock.seconds.items(), key=lambda kv: -kv[1])},
+           "steps_ms_per_token": {k: v / n for k, v in sorted(clock.ms.items(), key=lambda kv: -kv[1])},
            "calls": dict(clock.calls), "decode_graphs": mgr.graphs.counts(), "direct_calls": mgr.stats_.direct_calls}
     row["serving_ms_per_token"] = sum(row["steps_ms_per_token"].get(k, 0.0) for k in ("note_first", "note_other", "_refresh_direct"))
     mgr.close()

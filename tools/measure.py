@@ -2,7 +2,8 @@
 ``.to()`` baseline and the H2D copy sweep.
 
 Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build`` (and ``build_packed``), scratch directories, the timing helpers
-(median of repetitions after a warm-up, with a device sync around each), the lazy experts forward
+(median of repetitions after a warm-up, with a device sync around each; ``Steps``, host time in
+named callables), the lazy experts forward
 registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends with a device
 sync, so it measures finished work.
 """
@@ -15,6 +16,44 @@ import time
 from pathlib import Path
 
 import torch
+
+class Steps:
+    """Host time in named callables, wrapped on their owners while a measurement runs: ``ms``
+    and ``calls`` per label."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list = []
+
+    def wrap(self, owner, attr: str, label: str, split=None) -> None:
+        """Time ``owner.attr`` under ``label``, or under ``split(args, kwargs)`` of each call."""
+        fn, own = getattr(owner, attr), attr in vars(owner)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                at = label if split is None else split(a, k)
+                self.ms[at] = self.ms.get(at, 0.0) + (time.perf_counter() - t0) * 1e3
+                self.calls[at] = self.calls.get(at, 0) + 1
+        setattr(owner, attr, timed)
+        self._undo.append((owner, attr, fn, own))
+
+    def clear(self) -> None:
+        """Forget what was timed so far (the wrappers stay)."""
+        self.ms.clear()
+        self.calls.clear()
+
+    def restore(self) -> None:
+        for owner, attr, fn, own in reversed(self._undo):
+            if own:
+                setattr(owner, attr, fn)
+            else:
+                delattr(owner, attr)
+        self._undo = []
+
 
 SHAPES = {
     "mixtral": dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,

@@ -47,24 +47,6 @@ def test_split_adds_up_per_token_and_skips_the_prompt():
     assert math.isnan(got["device_token_ms"])
 
 
-class _Owner:
-    def step(self, x):
-        return x + 1
-
-
-def test_steps_time_calls_and_restore_owners():
-    steps = decode_split.Steps()
-    inst = _Owner()
-    steps.wrap(inst, "step", "inst")  # an instance: the wrapper shadows the class's method
-    steps.wrap(_Owner, "step", "cls")  # a class attribute: replaced, then put back
-    assert inst.step(1) == 2 and _Owner().step(2) == 3
-    assert set(steps.ms) == {"inst", "cls"} and all(v >= 0 for v in steps.ms.values())
-    assert steps.calls == {"inst": 1, "cls": 1}
-    steps.restore()
-    assert "step" not in vars(inst), "the instance kept its wrapper"
-    assert _Owner.step.__name__ == "step" and _Owner().step(5) == 6
-
-
 def test_arm_variants_are_read_and_unknown_ones_refused():
     assert decode_split.parse_arm("tiers_25_int8@skewed") == (25, "int8", False, frozenset(), "@skewed")
     assert decode_split.parse_arm("tiers_50_int8-nodirect~inline~gcoff@skewed_norebal") == (

@@ -9,23 +9,6 @@ from bench_script import load
 rebalance_cost = load("rebalance_cost")
 
 
-class _Owner:
-    def step(self, x, first=False):
-        return x + 1
-
-
-def test_the_clock_times_each_call_under_its_label_and_restores_the_methods():
-    obj = _Owner()
-    clock = rebalance_cost.StepClock()
-    clock.wrap(obj, "step", split=lambda a, k: "first" if k.get("first") else "other")
-    assert obj.step(1) == 2 and obj.step(2, first=True) == 3 and obj.step(3) == 4
-    assert clock.calls == {"other": 2, "first": 1} and all(v >= 0 for v in clock.seconds.values())
-    clock.clear()
-    assert not clock.calls and not clock.seconds
-    clock.restore()
-    assert "step" not in vars(obj) and obj.step(5) == 6
-
-
 def test_a_tiny_run_times_the_rebalancer_on_the_direct_decode_path(packed_factory):
     """Three layers of 8 experts, 8 staging slots (4 reserved for a decode step's 2 picks),
     rebalancing every 2 tokens: the timed generates run direct decode through decode graphs

@@ -45,3 +45,39 @@ def test_expert_bytes_and_the_ab_config():
     cfg = load_config(warm_config("int8", "32", "1", 0.25))
     assert (cfg.gpu.size.fraction, cfg.gpu.staging_slots, cfg.gpu.prefetch_depth, cfg.cpu.precision) == (0.25, 32, 1, "int8")
     assert load_config(warm_config("bf16", "auto", "0", 0.5)).gpu.staging_slots == "auto"
+
+
+class _Owner:
+    def step(self, x, first=False):
+        return x + 1
+
+
+def test_steps_time_calls_and_restore_owners():
+    from tools.measure import Steps
+
+    steps = Steps()
+    inst = _Owner()
+    steps.wrap(inst, "step", "inst")  # an instance: the wrapper shadows the class's method
+    steps.wrap(_Owner, "step", "cls")  # a class attribute: replaced, then put back
+    assert inst.step(1) == 2 and _Owner().step(2) == 3
+    assert set(steps.ms) == {"inst", "cls"} and all(v >= 0 for v in steps.ms.values())
+    assert steps.calls == {"inst": 1, "cls": 1}
+    steps.restore()
+    assert "step" not in vars(inst), "the instance kept its wrapper"
+    assert _Owner.step.__name__ == "step" and _Owner().step(5) == 6
+
+
+def test_steps_label_each_call_by_split_and_clear_keeps_the_wrappers():
+    from tools.measure import Steps
+
+    obj = _Owner()
+    steps = Steps()
+    steps.wrap(obj, "step", "unused", split=lambda a, k: "first" if k.get("first") else "other")
+    assert obj.step(1) == 2 and obj.step(2, first=True) == 3 and obj.step(3) == 4
+    assert steps.calls == {"other": 2, "first": 1} and all(v >= 0 for v in steps.ms.values())
+    steps.clear()
+    assert not steps.calls and not steps.ms
+    obj.step(4)
+    assert steps.calls == {"other": 1}
+    steps.restore()
+    assert "step" not in vars(obj) and obj.step(5) == 6
