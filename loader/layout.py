@@ -1,6 +1,6 @@
 """Expert layout: what one expert's tensors look like, discovered from the experts module.
 
-Owns: ``ExpertKey``, ``ExpertTensor`` and ``ExpertLayout``, and finding the experts modules of a
+Owns: ``ExpertKey``, ``ExpertGrid``, ``ExpertTensor`` and ``ExpertLayout``, and finding the experts modules of a
 model. Discovery reads parameter names, shapes and the flags that transformers'
 ``use_experts_implementation`` sets on the module (``has_gate``, ``has_bias``,
 ``is_transposed``, ``is_concatenated``); it never looks at the model class.
@@ -12,8 +12,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -27,6 +30,56 @@ class ExpertKey(NamedTuple):
 
     def __str__(self) -> str:
         return f"layer {self.layer} expert {self.expert}"
+
+
+class ExpertGrid:
+    """A model's experts as the cells of one flat array: layer ``L``'s row (layers in ascending
+    order) times ``width`` (the most experts of any layer) plus the expert. Per-expert numbers
+    (routing counts, which experts are hot) live in such arrays, so a question over every expert
+    (the least used hot ones, say) is a few vector operations instead of a loop over keys; cells
+    past a layer's last expert belong to no expert."""
+
+    def __init__(self, experts: Mapping[int, int]):
+        """``experts``: layer -> its expert count."""
+        self.layers = sorted(experts)
+        self.row = {L: i for i, L in enumerate(self.layers)}
+        self.experts = dict(experts)
+        self.width = max(experts.values(), default=0)
+        self.size = len(self.layers) * self.width
+
+    @classmethod
+    def of(cls, keys: Iterable[ExpertKey]) -> ExpertGrid:
+        """The grid of the layers ``keys`` name, each as wide as its largest expert index + 1."""
+        experts: dict[int, int] = {}
+        for k in keys:
+            experts[k.layer] = max(experts.get(k.layer, 0), k.expert + 1)
+        return cls(experts)
+
+    def index(self, key: ExpertKey) -> int:
+        if not 0 <= key.expert < self.experts.get(key.layer, 0):
+            raise KeyError(f"{key} is not in this grid")
+        return self.row[key.layer] * self.width + key.expert
+
+    def key(self, i: int) -> ExpertKey:
+        return ExpertKey(self.layers[i // self.width], i % self.width)
+
+    def mask(self, keys: Iterable[ExpertKey]) -> np.ndarray:
+        """bool [size]: True at ``keys``."""
+        out = np.zeros(self.size, dtype=bool)
+        out[[self.index(k) for k in keys]] = True
+        return out
+
+    def dense(self, counts: Mapping[ExpertKey, float], dtype=np.int64) -> np.ndarray:
+        """[size] of ``counts`` (0 where absent); keys outside the grid are left out."""
+        out = np.zeros(self.size, dtype=dtype)
+        for k, n in counts.items():
+            if 0 <= k.expert < self.experts.get(k.layer, 0):
+                out[self.row[k.layer] * self.width + k.expert] = n
+        return out
+
+    def counter(self, values: np.ndarray) -> Counter:
+        """The nonzero cells of ``values`` [size] by expert."""
+        return Counter({self.key(int(i)): values[i].item() for i in np.flatnonzero(values)})
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,14 @@ stream, in order; ``end_decode`` gives them back with a last-read event recorded
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from loader.layout import ExpertKey
 from quant import direct
-from tiers.residency import Home
 
 
 @dataclass
@@ -80,10 +79,10 @@ class DirectDecoder:
         self._reserved_dst: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (pool id, slots) -> those slots on the device
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
         self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
-        # picks per expert of every layer, counted on the device for the rebalancer (fetched once per interval)
-        self._layer_row = {L: i for i, L in enumerate(sorted(self.manifest.layers))}
-        width = max(e.layout.num_experts for e in self.manifest.layers.values())
-        self._usage = torch.zeros((len(self._layer_row), width), dtype=torch.int64, device=self.device) if self.rebalancer else None
+        # picks per expert of every layer, counted on the device for the rebalancer (fetched once per
+        # interval), laid out as the residency table's grid: one row per layer
+        grid = self.table.grid
+        self._usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=self.device) if self.rebalancer else None
 
     def direct_tensors(self, pool: Any, blob: Any) -> direct.DirectExpert | None:
         """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU should
@@ -133,11 +132,14 @@ class DirectDecoder:
             if layer in built and self._direct_built_at[layer] == version:
                 out[layer] = built[layer]  # no expert of the layer changed home since
                 continue
-            rows = [self.table[ExpertKey(layer, e)] for e in range(entry.layout.num_experts)]
-            if not all(r.pinned or r.home is Home.CPU for r in rows):
+            t = self.table  # the layer's cells of the table's arrays
+            first = t.grid.index(ExpertKey(layer, 0))
+            at = slice(first, first + entry.layout.num_experts)
+            hot = t.hot_mask[at]
+            if not (hot | t.warm_mask[at]).all():
                 continue
-            starts = [0 if r.pinned else r.host_offset for r in rows]
-            resident = [r.slot if r.pinned else -1 for r in rows]
+            starts = np.where(hot, 0, t.host_offset[at]).tolist()
+            resident = t.hot_slot[at].tolist()
             self._direct_built_at[layer] = version
             if layer in built:  # rewritten in place, in stream order: the decode graphs keep their addresses
                 old = out[layer] = built[layer]
@@ -146,7 +148,7 @@ class DirectDecoder:
                 continue
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
-            usage = None if self._usage is None else self._usage[self._layer_row[layer], : entry.layout.num_experts]
+            usage = None if self._usage is None else self._usage[self.table.grid.row[layer], : entry.layout.num_experts]
             out[layer] = _DirectLayer(self.upload_ints(starts, torch.int64), self.upload_ints(resident), self.direct_tensors(pool, blob),
                                       pool, counts, usage)
         self._direct_version = self.table.homes_version
@@ -164,13 +166,14 @@ class DirectDecoder:
                     pool.wait_ready(s, compute)
                     pool.end_read_at(s, None)
 
-    def take_direct_usage(self) -> Counter:
-        """Picks per expert counted by direct calls since the last take (one sync), then zeroed."""
+    def take_direct_usage(self) -> np.ndarray | None:
+        """Picks per expert counted by direct calls since the last take, per cell of the residency
+        table's grid (one sync), then zeroed; None when direct calls count nothing."""
         if self._usage is None or self._direct_layers is None:
-            return Counter()
-        rows = self._usage.tolist()
+            return None
+        taken = self._usage.reshape(-1).to("cpu", copy=True).numpy()
         self._usage.zero_()
-        return Counter({ExpertKey(L, e): n for L, i in self._layer_row.items() for e, n in enumerate(rows[i]) if n})
+        return taken
 
     def begin_decode(self) -> None:
         """A decode stage begins: reserve slots for the qualifying layers' misses."""

@@ -24,43 +24,51 @@ all hot (served through static maps, without routing on the host) are left alone
 """
 from __future__ import annotations
 
-import heapq
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 import quant
-from loader.layout import ExpertKey
+from loader.layout import ExpertGrid, ExpertKey
 from tiers.config import Rebalance
 from tiers.disk_store import IntegrityError
 from tiers.residency import Home, Op
 
 
 class RoutingWindow:
-    """Lookups per expert over the last ``window`` intervals of ``every_tokens`` tokens.
+    """Lookups per expert over the last ``window`` intervals of ``every_tokens`` tokens, as arrays
+    over an ``ExpertGrid``.
 
     The closed intervals still in the window are kept summed (``closed``): an interval adds its
     counts once when it closes and takes them back once when it falls out, so what a rebalance
     costs the serving thread does not grow with ``window``."""
 
-    def __init__(self, every_tokens: int, window: int):
+    def __init__(self, grid: ExpertGrid, every_tokens: int, window: int):
+        self.grid = grid
         self.every = every_tokens
-        self.intervals: deque[Counter] = deque([Counter()], maxlen=window)
-        self.closed: Counter = Counter()  # the sum of every interval but the open one (the last)
+        self.intervals: deque[np.ndarray] = deque([np.zeros(grid.size, dtype=np.int64)], maxlen=window)
+        self.closed = np.zeros(grid.size, dtype=np.int64)  # the sum of every interval but the open one (the last)
         self.tokens = 0
 
     def count(self, keys: Iterable[ExpertKey]) -> None:
-        self.intervals[-1].update(keys)
+        """One lookup of each of ``keys`` (repeats count again)."""
+        idx = [self.grid.index(k) for k in keys]
+        if idx:
+            np.add.at(self.intervals[-1], idx, 1)
 
-    def frequency(self) -> Counter:
-        total = Counter(self.closed)
-        total.update(self.intervals[-1])
-        return total
+    def add(self, counts: np.ndarray) -> None:
+        """Lookups counted elsewhere (direct decode's, on the device), [grid.size]."""
+        self.intervals[-1] += counts
 
-    def add_tokens(self, n: int) -> Counter | None:
+    def frequency(self) -> np.ndarray:
+        return self.closed + self.intervals[-1]
+
+    def add_tokens(self, n: int) -> np.ndarray | None:
         """Count ``n`` tokens. When that closes an interval: the window's frequency (and a new
         interval opens, the oldest dropping out); otherwise None."""
         self.tokens += n
@@ -68,14 +76,10 @@ class RoutingWindow:
             return None
         self.tokens = 0
         freq = self.frequency()
-        self.closed.update(self.intervals[-1])
+        self.closed += self.intervals[-1]
         if len(self.intervals) == self.intervals.maxlen:  # the oldest falls out as the new one opens
-            oldest = self.intervals[0]
-            self.closed.subtract(oldest)
-            for k in oldest:
-                if self.closed[k] <= 0:
-                    del self.closed[k]
-        self.intervals.append(Counter())
+            self.closed -= self.intervals[0]
+        self.intervals.append(np.zeros(self.grid.size, dtype=np.int64))
         return freq
 
 
@@ -86,36 +90,47 @@ class Move:
     replaces: ExpertKey | None  # the expert whose hot slot or host bytes it takes; None: a free place
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GroupState:
-    """One slot pool's experts as the planner sees them."""
+    """One slot pool's experts as the planner sees them: bool masks over ``grid``."""
 
-    keys: tuple[ExpertKey, ...] | frozenset[ExpertKey]  # every expert the rebalancer may move (static layers excluded)
-    hot: frozenset[ExpertKey]
-    warm: frozenset[ExpertKey]
+    grid: ExpertGrid
+    keys: np.ndarray  # every expert the rebalancer may move (static layers excluded)
+    hot: np.ndarray
+    warm: np.ndarray
     free_places: int  # warm places nobody holds
-    busy: frozenset[ExpertKey] = frozenset()  # in flight or held: not moved this time
+    busy: np.ndarray | None = None  # in flight or held: not moved this time (None: none)
+
+    @classmethod
+    def of(cls, grid: ExpertGrid, keys: Iterable[ExpertKey], hot: Iterable[ExpertKey], warm: Iterable[ExpertKey],
+           free_places: int, busy: Iterable[ExpertKey] = ()) -> GroupState:
+        """The masks of sets of keys."""
+        return cls(grid, grid.mask(keys), grid.mask(hot), grid.mask(warm), free_places, grid.mask(busy))
 
 
 def _better(new: float, old: float, margin: float, significance: float = 0.0) -> bool:
     """``new`` uses beat ``old`` by ``margin`` of ``old``, by one at least, and by ``significance``
     standard deviations of the difference of two Poisson counts with those means."""
+    new, old = float(new), float(old)
     return new > old * (1.0 + margin) and new >= old + 1 and new - old >= significance * math.sqrt(new + old)
 
 
-def _least(keys: Iterable[ExpertKey], freq: Counter, n: int) -> list[ExpertKey]:
-    """The ``n`` least used of ``keys``, ascending by (uses, key): those never used first, by key."""
-    keys = list(keys)
-    unused = [k for k in keys if not freq.get(k)]
-    if len(unused) >= n:
-        return heapq.nsmallest(n, unused)
-    return sorted(unused) + heapq.nsmallest(n - len(unused), (k for k in keys if freq.get(k)), key=lambda k: (freq[k], k))
+def _least(freq: np.ndarray, mask: np.ndarray, n: int, offset: int = 0) -> list[int]:
+    """The ``n`` least used cells of ``mask``, ascending by (uses, cell), as cells + ``offset``."""
+    if n <= 0:
+        return []
+    idx = np.flatnonzero(mask)
+    if len(idx) > 4 * n:  # keep the n smallest uses (ties at the cut included) before sorting
+        cut = np.partition(freq[idx], n - 1)[n - 1]
+        idx = idx[freq[idx] <= cut]
+    return (idx[np.lexsort((idx, freq[idx]))][:n] + offset).tolist()
 
 
-def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: float, significance: float = 0.0) -> list[Move]:
+def plan_moves(freq: np.ndarray, group: GroupState, *, max_moves: int, margin: float, significance: float = 0.0) -> list[Move]:
     """Promote the most used experts into the hot set and the warm pool, replacing the least used,
     a newcomer only when used ``margin`` more often than what it replaces and ``significance``
-    standard deviations more (``_better``: no churn on noise).
+    standard deviations more (``_better``: no churn on noise). ``freq``: uses per cell of
+    ``group.grid``.
     At most ``max_moves`` moves per tier. Ties break by key, so a plan is deterministic, except
     that a hot newcomer replaces, among the least used hot experts, one of its own layer first.
 
@@ -128,54 +143,57 @@ def plan_moves(freq: Counter, group: GroupState, *, max_moves: int, margin: floa
 
     Only used experts can be newcomers (a move needs one use more than what it replaces), and at
     most ``max_moves`` experts are replaced per tier, so the plan sorts the used experts and picks
-    the least used hot and warm ones without sorting the group."""
-    keys = group.keys if isinstance(group.keys, (set, frozenset)) else frozenset(group.keys)
-    # (-uses, key) of the used experts that are neither hot nor busy: the newcomers to choose from
-    used = [(-n, k) for k, n in freq.items() if n > 0 and k in keys and k not in group.hot and k not in group.busy]
-    moves = _hot_moves(freq, group, [k for _, k in heapq.nsmallest(max_moves, used)], max_moves, margin, significance)
-    promoted = {m.key for m in moves}
-    free = group.free_places  # places freed by promotions from warm only free up when those land
+    the least used hot and warm ones without sorting the group. The grid's cell order is the
+    keys' order, so every tie breaks as it would by key; the plan is a few vector operations over
+    the grid (Qwen3-30B-A3B's 6144 experts in 48 layers), not a loop over keys."""
+    grid = group.grid
+    busy = group.busy if group.busy is not None else np.zeros(grid.size, dtype=bool)
+    # the used experts that are neither hot nor busy, most used first: the newcomers to choose from
+    idx = np.flatnonzero((freq > 0) & group.keys & ~group.hot & ~busy)
+    used = idx[np.lexsort((idx, -freq[idx]))]
+    hot_pairs = _hot_moves(freq, group, busy, used[:max_moves].tolist(), max_moves, margin, significance)
+    promoted = {new for new, _ in hot_pairs}
+    free = min(group.free_places, max_moves)  # places freed by promotions from warm only free up when those land
     # Experts hot now stay out even when demoted by this plan: they are hot until their swap lands.
-    outside = promoted | group.warm
-    candidates = [k for _, k in heapq.nsmallest(min(free, max_moves) + max_moves, (t for t in used if t[1] not in outside))]
-    warm_moves: list[Move] = []
-    for new in candidates[: min(free, max_moves)]:
-        warm_moves.append(Move(new, Home.CPU, None))
-    warm = (k for k in group.warm if k not in promoted and k not in group.busy)
-    for new, old in zip(candidates[len(warm_moves):], _least(warm, freq, max_moves - len(warm_moves))):
-        if len(warm_moves) >= max_moves or not _better(freq[new], freq[old], margin, significance):
+    rest = used[~group.warm[used]][: free + max_moves + len(promoted)]
+    candidates = [i for i in rest.tolist() if i not in promoted][: free + max_moves]
+    warm_pairs: list[tuple[int, int | None]] = [(new, None) for new in candidates[:free]]
+    unpromoted = group.warm & ~busy
+    unpromoted[list(promoted)] = False
+    for new, old in zip(candidates[len(warm_pairs):], _least(freq, unpromoted, max_moves - len(warm_pairs))):
+        if len(warm_pairs) >= max_moves or not _better(freq[new], freq[old], margin, significance):
             break
-        warm_moves.append(Move(new, Home.CPU, old))
-    return moves + warm_moves
+        warm_pairs.append((new, old))
+    key = grid.key
+    return ([Move(key(new), Home.GPU, key(old)) for new, old in hot_pairs]
+            + [Move(key(new), Home.CPU, None if old is None else key(old)) for new, old in warm_pairs])
 
 
-def _hot_moves(freq: Counter, group: GroupState, newcomers: list[ExpertKey], max_moves: int, margin: float,
-               significance: float) -> list[Move]:
+def _hot_moves(freq: np.ndarray, group: GroupState, busy: np.ndarray, newcomers: list[int], max_moves: int, margin: float,
+               significance: float) -> list[tuple[int, int]]:
     """Each newcomer (most used first) replaces the least used hot expert left, by (uses, not of
-    the newcomer's layer, key), while it is better (``_better``: margin and significance). The victims' uses never decrease and
-    the newcomers' never increase, so the first failure ends the plan. The least ``max_moves``
-    of the group and of each newcomer's layer hold every victim the rule can pick."""
-    movable = group.hot - group.busy
-    layers: dict[int, list[ExpertKey]] = {k.layer: [] for k in newcomers}
-    for k in movable:
-        if k.layer in layers:
-            layers[k.layer].append(k)
-    least = _least(movable, freq, max_moves)
-    local = {L: _least(ks, freq, max_moves) for L, ks in layers.items()}
-    taken: set[ExpertKey] = set()
-    moves: list[Move] = []
+    the newcomer's layer, key), while it is better (``_better``: margin and significance): the
+    (newcomer, victim) cells. The victims' uses never decrease and the newcomers' never increase,
+    so the first failure ends the plan. The least ``max_moves`` of the group and of each
+    newcomer's layer hold every victim the rule can pick."""
+    w = group.grid.width
+    movable = group.hot & ~busy
+    least = _least(freq, movable, max_moves)
+    local = {r: _least(freq[r * w:(r + 1) * w], movable[r * w:(r + 1) * w], max_moves, r * w) for r in {new // w for new in newcomers}}
+    taken: set[int] = set()
+    pairs: list[tuple[int, int]] = []
     for new in newcomers:
         overall = next((k for k in least if k not in taken), None)
-        own = next((k for k in local[new.layer] if k not in taken), None)
+        own = next((k for k in local[new // w] if k not in taken), None)
         left = [k for k in (overall, own) if k is not None]
         if not left:
             break
-        old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))
+        old = min(left, key=lambda k: (freq[k], k // w != new // w, k))
         if not _better(freq[new], freq[old], margin, significance):
             break
-        moves.append(Move(new, Home.GPU, old))
+        pairs.append((new, old))
         taken.add(old)
-    return moves
+    return pairs
 
 
 @dataclass
@@ -224,7 +242,8 @@ class Rebalancer:
 
     def __init__(self, mgr: Any, cfg: Rebalance, *, threads: int):
         self.mgr, self.cfg = mgr, cfg
-        self.window = RoutingWindow(cfg.every_tokens, cfg.window)
+        self.grid = mgr.table.grid
+        self.window = RoutingWindow(self.grid, cfg.every_tokens, cfg.window)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="tiers-rebalance") if threads else None
         self.hot_moves = self.buffer_bytes(mgr.manifest, mgr.cfg, mgr.placement) > 0
         self.buffers, self.spares = [], {id(p): [] for p in mgr.pools}  # spares: per pool, free warm places for demotions
@@ -243,7 +262,9 @@ class Rebalancer:
         self.relocations: dict[ExpertKey, tuple[Future, int, int]] = {}
         self.free_places: dict[int, list[int]] = {id(p): [] for p in mgr.pools}
         self.counts = {"rebalances": 0, "promoted_hot": 0, "promoted_warm": 0, "read_errors": 0}
-        self._movable_keys: dict[int, frozenset[ExpertKey]] = {}  # per pool (the static layers are fixed at load)
+        # per pool: its experts, and those the rebalancer may move (the static layers are fixed at load)
+        self._pool_mask = {id(p): self.grid.mask(mgr.keys_of[id(p)]) for p in mgr.pools}
+        self._movable_mask = {id(p): self.grid.mask(k for k in mgr.keys_of[id(p)] if self.movable(k.layer)) for p in mgr.pools}
 
     # -- accounting ---------------------------------------------------------------------------
     def movable(self, layer: int) -> bool:
@@ -258,26 +279,29 @@ class Rebalancer:
         if first:
             self.land()
             if self.window.tokens + tokens >= self.window.every:  # the interval closes: add direct decode's device counts
-                self.window.count(self.mgr.take_direct_usage())
+                usage = self.mgr.take_direct_usage()
+                if usage is not None:
+                    self.window.add(usage)
             freq = self.window.add_tokens(tokens)
             if freq is not None:
                 self.rebalance(freq)
-        self.window.count(keys)
+        if keys:
+            self.window.count(keys)
 
     # -- planning -----------------------------------------------------------------------------
-    def rebalance(self, freq: Counter) -> list[Move]:
+    def rebalance(self, freq: np.ndarray) -> list[Move]:
+        """Plan and issue moves by ``freq``, uses per cell of the table's grid."""
         mgr = self.mgr
         self.counts["rebalances"] += 1
         busy = self._busy()
         issued = []
         for pool in mgr.pools:
-            keys = self._movable_keys.get(id(pool))
-            if keys is None:
-                keys = self._movable_keys[id(pool)] = frozenset(k for k in mgr.keys_of[id(pool)] if self.movable(k.layer))
+            keys = self._movable_mask[id(pool)]
             state = GroupState(
+                grid=self.grid,
                 keys=keys,
-                hot=keys & mgr.table.hot,
-                warm=keys & mgr.table.warm,
+                hot=keys & mgr.table.hot_mask,
+                warm=keys & mgr.table.warm_mask,
                 free_places=len(self.free_places[id(pool)]),
                 busy=busy,
             )
@@ -286,11 +310,11 @@ class Rebalancer:
                     issued.append(move)
         return issued
 
-    def _busy(self) -> frozenset[ExpertKey]:
-        """Experts a move may not touch now: those with a rebalance read in flight, the hot experts
-        promotions will replace, and those with a read-ahead in flight."""
+    def _busy(self) -> np.ndarray:
+        """Experts a move may not touch now (a mask over the grid): those with a rebalance read in
+        flight, the hot experts promotions will replace, and those with a read-ahead in flight."""
         busy = set(self.hot_reads) | set(self.warm_reads) | set(self.relocations) | {r.replaces for r in self.hot_reads.values()}
-        return frozenset(busy | {v[1] for v in self.mgr.pending.values()})
+        return self.grid.mask(busy | {v[1] for v in self.mgr.pending.values()})
 
     def _issue(self, move: Move, pool: Any) -> bool:
         mgr = self.mgr
@@ -465,11 +489,9 @@ class Rebalancer:
             else:
                 spares.append(freed)
         elif out_ok:  # the warm set grew by one: cool its least used expert to keep the cpu budget
-            freq = self.window.frequency()
-            busy = self._busy()
-            warm = [k for k in mgr.keys_of[id(pool)] if mgr.table[k].home is Home.CPU and k not in busy]
+            warm = _least(self.window.frequency(), mgr.table.warm_mask & self._pool_mask[id(pool)] & ~self._busy(), 1)
             if warm:
-                coldest = min(warm, key=lambda k: (freq[k], k))
+                coldest = self.grid.key(warm[0])
                 spares.append(mgr.table[coldest].host_offset)
                 mgr.table.apply(coldest, Op.COOL)
         self.counts["promoted_hot"] += 1

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from loader.layout import ExpertKey
+import numpy as np
+
+from loader.layout import ExpertGrid, ExpertKey
 
 
 class Home(str, Enum):
@@ -127,6 +129,16 @@ class ResidencyTable:
         # intersects them with a pool's experts instead of reading every row. Read only
         self.hot = {k for k, r in self._table.items() if r.pinned}
         self.warm = {k for k, r in self._table.items() if r.home is Home.CPU}
+        # the same as arrays over ``grid``: bool masks (the rebalancer plans over them), each hot
+        # expert's slot and each warm expert's host offset, -1 elsewhere (direct decode's device
+        # tables are copies of those). Read only
+        self.grid = ExpertGrid.of(self._table)
+        self.hot_mask = self.grid.mask(self.hot)
+        self.warm_mask = self.grid.mask(self.warm)
+        self.hot_slot = np.full(self.grid.size, -1, dtype=np.int64)
+        self.host_offset = np.full(self.grid.size, -1, dtype=np.int64)
+        for k, r in self._table.items():
+            self._set_cells(self.grid.index(k), r)
 
     def __getitem__(self, key: ExpertKey) -> Residency:
         return self._table[key]
@@ -148,8 +160,14 @@ class ResidencyTable:
             self.layer_versions[key.layer] = self.layer_versions.get(key.layer, 0) + 1
             (self.hot.add if new.pinned else self.hot.discard)(key)
             (self.warm.add if new.home is Home.CPU else self.warm.discard)(key)
+            self._set_cells(self.grid.index(key), new)
         self._table[key] = new
         return new
+
+    def _set_cells(self, i: int, r: Residency) -> None:
+        self.hot_mask[i], self.warm_mask[i] = r.pinned, r.home is Home.CPU
+        self.hot_slot[i] = r.slot if r.pinned else -1
+        self.host_offset[i] = r.host_offset if r.home is Home.CPU else -1
 
     def counts(self) -> dict[str, int]:
         out = {h.value: 0 for h in Home}

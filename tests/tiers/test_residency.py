@@ -271,6 +271,13 @@ class ResidencyMachine(RuleBasedStateMachine):
             assert (r.home is Home.CPU) == (r.host_offset is not None), f"{k}: home {r.home.value}, offset {r.host_offset}"
         assert self.table.hot == {k for k, r in self.table.items() if r.pinned}
         assert self.table.warm == {k for k, r in self.table.items() if r.home is Home.CPU}
+        grid = self.table.grid  # the masks the rebalancer plans over say the same
+        assert (self.table.hot_mask == grid.mask(self.table.hot)).all()
+        assert (self.table.warm_mask == grid.mask(self.table.warm)).all()
+        for k, r in self.table.items():
+            i = grid.index(k)
+            assert self.table.hot_slot[i] == (r.slot if r.pinned else -1)
+            assert self.table.host_offset[i] == (r.host_offset if r.home is Home.CPU else -1)
         counts = self.table.counts()
         assert sum(counts.values()) == len(KEYS)
         for h in Home:
