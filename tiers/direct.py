@@ -75,6 +75,12 @@ class DirectDecoder:
         self._direct_layers: dict[int, _DirectLayer] | None = None  # built at the first decode stage
         self._direct_version = -1  # the residency table's homes_version the tables were built at
         self._direct_built_at: dict[int, int] = {}  # layer -> the table's layer version its tables were built at
+        # the device tables of every layer, [layers, width] over the residency table's grid (built
+        # at the first decode stage), their pinned host copies, and the last upload's event
+        self._table_starts: torch.Tensor | None = None  # int64: each warm expert's host offset, 0 for hot ones
+        self._table_resident: torch.Tensor | None = None  # int32: each hot expert's slot, -1 for the rest
+        self._table_host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._table_copied: Any | None = None
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
         self._reserved_dst: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (pool id, slots) -> those slots on the device
         self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
@@ -115,44 +121,68 @@ class DirectDecoder:
 
     def _build_direct(self) -> dict[int, _DirectLayer]:
         """The direct tables of every layer that qualifies (not static, its cpu precision decoded in
-        place, every expert hot or warm). A layer whose tables did not change since the last build
-        keeps them; a changed one that had tables gets its new values written into the same
-        tensors on the current stream (the compute stream, where every direct call reads them: the
-        calls queued earlier read the old values, later ones the new), a newly qualified one new
-        tensors; all uploaded through the pinned ring, without a host sync."""
+        place, every expert hot or warm). A layer whose experts kept their homes since the last
+        build keeps its tables; when any layer's changed, every layer's row of the device tables
+        is rewritten at once (``_upload_direct_tables``). The tables are rows of two tensors
+        allocated once, so their addresses never change and the decode graphs keep them."""
         out: dict[int, _DirectLayer] = {}
         precision = self.cfg.cpu.precision
         built = self._direct_layers or {}
+        t = self.table
+        changed = False
         for layer, entry in self.manifest.layers.items():
             blob = entry.blobs.get(precision)
             pool = self.pool_of[layer]
             if layer in self.static_maps or blob is None or self.direct_tensors(pool, blob) is None:
                 continue
-            version = self.table.layer_versions.get(layer, 0)
+            version = t.layer_versions.get(layer, 0)
             if layer in built and self._direct_built_at[layer] == version:
                 out[layer] = built[layer]  # no expert of the layer changed home since
                 continue
-            t = self.table  # the layer's cells of the table's arrays
             first = t.grid.index(ExpertKey(layer, 0))
-            at = slice(first, first + entry.layout.num_experts)
-            hot = t.hot_mask[at]
-            if not (hot | t.warm_mask[at]).all():
+            n = entry.layout.num_experts
+            if not (t.hot_mask[first:first + n] | t.warm_mask[first:first + n]).all():
                 continue
-            starts = np.where(hot, 0, t.host_offset[at]).tolist()
-            resident = t.hot_slot[at].tolist()
             self._direct_built_at[layer] = version
-            if layer in built:  # rewritten in place, in stream order: the decode graphs keep their addresses
-                old = out[layer] = built[layer]
-                old.starts.copy_(self.upload_ints(starts, torch.int64))
-                old.resident.copy_(self.upload_ints(resident))
+            changed = True
+            if layer in built:
+                out[layer] = built[layer]
                 continue
+            if self._table_starts is None:
+                rows, width = len(t.grid.layers), t.grid.width
+                self._table_starts = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
+                self._table_resident = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
+            row = t.grid.row[layer]
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
-            usage = None if self._usage is None else self._usage[self.table.grid.row[layer], : entry.layout.num_experts]
-            out[layer] = _DirectLayer(self.upload_ints(starts, torch.int64), self.upload_ints(resident), self.direct_tensors(pool, blob),
+            usage = None if self._usage is None else self._usage[row, :n]
+            out[layer] = _DirectLayer(self._table_starts[row, :n], self._table_resident[row, :n], self.direct_tensors(pool, blob),
                                       pool, counts, usage)
-        self._direct_version = self.table.homes_version
+        if changed:
+            self._upload_direct_tables()
+        self._direct_version = t.homes_version
         return out
+
+    def _upload_direct_tables(self) -> None:
+        """Rewrite every row of the device tables from the residency table's arrays (each warm
+        expert's host offset, 0 for hot ones; each hot expert's slot, -1 for the rest) with one
+        copy each from pinned memory, queued on the current stream (the compute stream, where
+        every direct call reads them: the calls queued earlier read the old values, later ones the
+        new). Rows of layers that do not qualify are written too, and never read."""
+        t = self.table
+        if self._table_host is None:
+            pin = self.device.type == "cuda"
+            self._table_host = (torch.empty(t.grid.size, dtype=torch.int64, pin_memory=pin),
+                                torch.empty(t.grid.size, dtype=torch.int32, pin_memory=pin))
+        elif self._table_copied is not None:
+            self._table_copied.synchronize()  # the last upload has read the pinned copies
+        starts, resident = self._table_host
+        starts.numpy()[:] = np.where(t.hot_mask, 0, t.host_offset)
+        resident.numpy()[:] = t.hot_slot
+        self._table_starts.view(-1).copy_(starts, non_blocking=True)
+        self._table_resident.view(-1).copy_(resident, non_blocking=True)
+        self._table_copied = self.streams.event()
+        self._table_copied.record(self.streams.current())
 
     def _refresh_direct(self) -> None:
         """The rebalancer moved experts: rebuild the tables, and order the compute stream after the
@@ -160,11 +190,11 @@ class DirectDecoder:
         self._direct_layers = self._build_direct()
         compute = self.streams.current()
         for pool in self.pools:
-            for s in range(self.hot_count[id(pool)]):
-                if pool.ready[s] is not None and pool.readers[s] == 0:
-                    pool.hold(s)
-                    pool.wait_ready(s, compute)
-                    pool.end_read_at(s, None)
+            hot = self.hot_count[id(pool)]
+            for s in [s for s in pool.pending_ready if s < hot and pool.readers[s] == 0]:
+                pool.hold(s)
+                pool.wait_ready(s, compute)
+                pool.end_read_at(s, None)
 
     def take_direct_usage(self) -> np.ndarray | None:
         """Picks per expert counted by direct calls since the last take, per cell of the residency

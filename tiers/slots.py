@@ -43,6 +43,7 @@ class SlotPool:
         self.last_read: list[Any | None] = [None] * n_slots
         self.ready: list[Any | None] = [None] * n_slots
         self.ready_on: list[tuple[Any, int] | None] = [None] * n_slots  # (stream, record order) of each pending ready event
+        self.pending_ready: set[int] = set()  # the slots whose ready event is pending (not None). Read only
 
     @property
     def key(self) -> tuple:
@@ -83,6 +84,7 @@ class SlotPool:
         for slot in slots:
             self.ready[slot] = event
             self.ready_on[slot] = (stream, order)
+        self.pending_ready.update(slots)
 
     def hold(self, slot: int) -> None:
         """A reader takes the slot: from now until ``end_read`` it cannot be rewritten."""
@@ -104,6 +106,7 @@ class SlotPool:
         if ev is None:
             return None
         self.ready[slot] = None
+        self.pending_ready.discard(slot)
         stream, order = self.ready_on[slot]
         return ev, stream, order
 

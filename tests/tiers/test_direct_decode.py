@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import tiers
 from loader.layout import ExpertKey
 from tiers.integration import manager_of
-from tiers.residency import Home
+from tiers.residency import Home, Op
 
 from test_end_to_end import GEN, assert_decode_logits, prompt
 
@@ -190,10 +190,20 @@ def test_direct_decode_with_the_rebalancer(device, checkpoint_factory, packed_fa
         for e, (slot, start) in enumerate(zip(d.resident.tolist(), d.starts.tolist())):
             r = mgr.table[ExpertKey(layer, e)]
             assert slot == (r.slot if r.pinned else -1) and (r.pinned or start == r.host_offset)
-    # a rebuild with nothing moved keeps every layer's tables, uploading nothing
-    built, uploads, upload = dict(mgr._direct_layers), [], mgr.upload_ints
-    monkeypatch.setattr(mgr, "upload_ints", lambda *a: uploads.append(a) or upload(*a))
+    # a rebuild with nothing moved keeps every layer's tables, uploading nothing; a move rewrites
+    # the tables in place (the decode graphs keep their addresses)
+    built, uploads, upload = dict(mgr._direct_layers), [], mgr._upload_direct_tables
+    monkeypatch.setattr(mgr, "_upload_direct_tables", lambda: uploads.append(1) or upload())
     assert all(mgr._build_direct()[L] is d for L, d in built.items()) and not uploads
+    layer = next(iter(built))
+    a, b = [k for k in mgr.keys_of[id(mgr.pool_of[layer])] if k.layer == layer and mgr.table[k].home is Home.CPU][:2]
+    places = mgr.table[a].host_offset, mgr.table[b].host_offset
+    mgr.table.apply(a, Op.MOVE, offset=places[1])  # the two trade places (in the table only: nothing decodes after)
+    mgr.table.apply(b, Op.MOVE, offset=places[0])
+    starts = built[layer].starts.data_ptr()
+    rebuilt = mgr._build_direct()[layer]
+    assert rebuilt.starts.data_ptr() == starts and len(uploads) == 1
+    assert rebuilt.starts[[a.expert, b.expert]].tolist() == [places[1], places[0]]
     mgr.end_decode()
     mgr.close()
 

@@ -194,6 +194,7 @@ def test_slot_pool_never_rewrites_a_read_slot(n_slots, ops):
         # after every op: pool state agrees with the model, and every held slot still holds its owner's bytes
         assert pool.readers == readers
         assert pool.owner == owner
+        assert pool.pending_ready == {s for s, ev in enumerate(pending_ready) if ev is not None}
         for s in range(n_slots):
             if readers[s] > 0 and owner[s] is not None:
                 for t in pool.tensors(s).values():
