@@ -1,6 +1,8 @@
 """The residency table: where every expert lives, changed only through ``transition``.
 
-Owns: one ``dict[ExpertKey, Residency]`` and the single pure transition function over it.
+Owns: one ``dict[ExpertKey, Residency]`` and the single pure transition function over it, and
+read-only views of it kept up to date by ``apply``: the hot and warm sets, and the same as arrays
+over the table's ``ExpertGrid`` (hot and warm masks, hot slots, host offsets).
 Invariants: at most one GPU slot holds an expert; a hot (pinned) expert is never evicted, its
 home is gpu and it has a slot; an expert's home is cpu exactly when it has a host offset; homes
 change only through the rebalancer's four ops (promote / demote between nvme-or-cpu and gpu,
