@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from loader.layout import ExpertKey
 from quant import direct
 
 
@@ -139,8 +138,8 @@ class DirectDecoder:
             if layer in built and self._direct_built_at[layer] == version:
                 out[layer] = built[layer]  # no expert of the layer changed home since
                 continue
-            first = t.grid.index(ExpertKey(layer, 0))
-            n = entry.layout.num_experts
+            row, n = t.grid.row[layer], entry.layout.num_experts
+            first = row * t.grid.width
             if not (t.hot_mask[first:first + n] | t.warm_mask[first:first + n]).all():
                 continue
             self._direct_built_at[layer] = version
@@ -152,7 +151,6 @@ class DirectDecoder:
                 rows, width = len(t.grid.layers), t.grid.width
                 self._table_starts = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
                 self._table_resident = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
-            row = t.grid.row[layer]
             counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
             usage = None if self._usage is None else self._usage[row, :n]

@@ -1,8 +1,8 @@
 """The residency table: where every expert lives, changed only through ``transition``.
 
 Owns: one ``dict[ExpertKey, Residency]`` and the single pure transition function over it, and
-read-only views of it kept up to date by ``apply``: the hot and warm sets, and the same as arrays
-over the table's ``ExpertGrid`` (hot and warm masks, hot slots, host offsets).
+read-only arrays over the table's ``ExpertGrid`` kept up to date by ``apply`` (hot and warm
+masks, hot slots, host offsets).
 Invariants: at most one GPU slot holds an expert; a hot (pinned) expert is never evicted, its
 home is gpu and it has a slot; an expert's home is cpu exactly when it has a host offset; homes
 change only through the rebalancer's four ops (promote / demote between nvme-or-cpu and gpu,
@@ -127,16 +127,13 @@ class ResidencyTable:
         # copies of the table kept elsewhere (the device-side tables of direct decode) compare it
         self.homes_version = 0
         self.layer_versions: dict[int, int] = {}  # ... and per layer (absent: 0)
-        # the hot (pinned) and warm (cpu-home) experts, kept up to date by apply: the rebalancer
-        # intersects them with a pool's experts instead of reading every row. Read only
-        self.hot = {k for k, r in self._table.items() if r.pinned}
-        self.warm = {k for k, r in self._table.items() if r.home is Home.CPU}
-        # the same as arrays over ``grid``: bool masks (the rebalancer plans over them), each hot
-        # expert's slot and each warm expert's host offset, -1 elsewhere (direct decode's device
-        # tables are copies of those). Read only
+        # arrays over ``grid``, kept up to date by apply: the hot (pinned) and warm (cpu-home)
+        # experts as bool masks (the rebalancer plans over them), each hot expert's slot and each
+        # warm expert's host offset, -1 elsewhere (direct decode's device tables are copies of
+        # those). Read only
         self.grid = ExpertGrid.of(self._table)
-        self.hot_mask = self.grid.mask(self.hot)
-        self.warm_mask = self.grid.mask(self.warm)
+        self.hot_mask = np.zeros(self.grid.size, dtype=bool)
+        self.warm_mask = np.zeros(self.grid.size, dtype=bool)
         self.hot_slot = np.full(self.grid.size, -1, dtype=np.int64)
         self.host_offset = np.full(self.grid.size, -1, dtype=np.int64)
         for k, r in self._table.items():
@@ -160,8 +157,6 @@ class ResidencyTable:
         if (old.home, old.host_offset, old.pinned) != (new.home, new.host_offset, new.pinned):
             self.homes_version += 1
             self.layer_versions[key.layer] = self.layer_versions.get(key.layer, 0) + 1
-            (self.hot.add if new.pinned else self.hot.discard)(key)
-            (self.warm.add if new.home is Home.CPU else self.warm.discard)(key)
             self._set_cells(self.grid.index(key), new)
         self._table[key] = new
         return new
