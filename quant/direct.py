@@ -25,6 +25,8 @@ from quant.launch import kernel_module
 
 # precision -> (the field holding the encoded data, the field of per-row scales or None)
 FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
+BLOCK = 8192  # elements one program of the kernel decodes
+MAX_BLOCKS = 65535  # programs per pick: the kernel's second grid dimension, as CUDA bounds it
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,18 @@ class DirectExpert(tuple):
 
 def supported(precision: str) -> bool:
     return precision in FIELDS
+
+
+def blocks(tensors: tuple[DirectTensor, ...]) -> int:
+    """The kernel's programs per pick for an expert of ``tensors``: each tensor's elements in
+    ``BLOCK``s, one after another."""
+    return sum(math.ceil(math.prod(t.out.shape[1:]) / BLOCK) for t in tensors)
+
+
+def fits(tensors: tuple[DirectTensor, ...]) -> bool:
+    """Whether one launch can decode an expert of ``tensors`` (at most ``MAX_BLOCKS`` programs
+    per pick: 512 Mi elements)."""
+    return blocks(tensors) <= MAX_BLOCKS
 
 
 def kernel_available() -> bool:

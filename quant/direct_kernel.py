@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from quant.direct import BLOCK, MAX_BLOCKS
 from quant.launch import triton_relauncher
 
-BLOCK = 8192  # elements per program
 WARPS = 8
 
 
@@ -73,6 +73,8 @@ class _Plan:
             nb = triton.cdiv(n, BLOCK) if i < len(tensors) else 0
             self.blocks += nb
             self.fixed += [t.out, t.data, t.scale or 0, n, t.out.shape[-1]] + ([nb] if i < 2 else [])
+        if self.blocks > MAX_BLOCKS:
+            raise ValueError(f"direct fetch: an expert of {self.blocks} blocks of {BLOCK} elements, at most {MAX_BLOCKS} fit one launch")
         self.quant = tensors[0].scale is not None
         self.relaunch = {usage: triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, BLOCK=BLOCK, num_warps=WARPS))
                          for usage in (False, True)}

@@ -60,6 +60,8 @@ class _Reserved:
 class DirectDecoder:
     """Mixed into ``TierManager``: uses its table, pools, host pool, streams and stats."""
 
+    DECODE_BYTES: int | None = None  # the largest transfer form direct decode reads (None: any size)
+
     def _init_direct(self, enabled: bool) -> None:
         # on by config, on a GPU with Triton and a pinned pool (tests switch them on for the CPU reference)
         self.direct_reads = enabled and self.device.type == "cuda" and self.host.pinned and direct.kernel_available()
@@ -90,16 +92,19 @@ class DirectDecoder:
         self._usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=self.device) if self.rebalancer else None
 
     def direct_tensors(self, pool: Any, blob: Any) -> direct.DirectExpert | None:
-        """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU should
-        not read it in place (a precision it does not decode, or a large expert)."""
+        """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU cannot
+        read it in place (a precision it does not decode, or an expert too large for one launch).
+        Which reads use it is for the callers: direct stacks take small experts only."""
         key = (id(pool), blob.precision)
         if key not in self._direct_tensors:
             tensors = None
-            if direct.supported(blob.precision) and blob.nbytes <= self.STACK_BYTES:
+            if direct.supported(blob.precision):
                 offset = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
                 data, scale = direct.FIELDS[blob.precision]
                 tensors = direct.DirectExpert(direct.DirectTensor(pool.slabs[name], offset[(name, data)], scale and offset[(name, scale)])
                                               for name, _ in blob.shapes)
+                if not direct.fits(tensors):
+                    tensors = None
             self._direct_tensors[key] = tensors
         return self._direct_tensors[key]
 
@@ -132,7 +137,8 @@ class DirectDecoder:
         for layer, entry in self.manifest.layers.items():
             blob = entry.blobs.get(precision)
             pool = self.pool_of[layer]
-            if layer in self.static_maps or blob is None or self.direct_tensors(pool, blob) is None:
+            if (layer in self.static_maps or blob is None or self.direct_tensors(pool, blob) is None
+                    or (self.DECODE_BYTES is not None and blob.nbytes > self.DECODE_BYTES)):
                 continue
             version = t.layer_versions.get(layer, 0)
             if layer in built and self._direct_built_at[layer] == version:

@@ -527,8 +527,9 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
 
     def _reads_direct(self, pool: SlotPool, blob: Any, direct: bool) -> bool:
         """Whether a read of ``blob`` into ``pool`` goes through a direct stack: asked for
-        (``direct``), the pool's direct reads on, and the blob one ``quant.direct`` decodes."""
-        return direct and self.direct_reads and self.direct_tensors(pool, blob) is not None
+        (``direct``), the pool's direct reads on, and the blob a small one (``STACK_BYTES``) that
+        ``quant.direct`` decodes."""
+        return direct and self.direct_reads and blob.nbytes <= self.STACK_BYTES and self.direct_tensors(pool, blob) is not None
 
     def _count_read(self, source: str, nbytes: int, t0: float) -> None:
         """Count bytes read up from ``source``, and the staging time since ``t0``."""

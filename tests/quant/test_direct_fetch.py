@@ -139,3 +139,20 @@ def test_a_kept_expert_fetches_the_same_as_a_tuple_every_call(device):
     assert torch.equal(usage.cpu(), ref_usage)
     if device.type == "cuda":
         assert kept.launch_plan.relaunch[True].fast_launches == 4, "the kernel was not relaunched past Triton's dispatch"
+
+
+def test_an_expert_fits_one_launch_up_to_its_grid():
+    """The kernel's programs per pick are each tensor's elements in blocks, one tensor after
+    another; an expert fits one launch up to ``MAX_BLOCKS`` of them (Mixtral-8x7B's 176 M
+    elements: 21504), and one block more does not."""
+    from quant.direct import BLOCK, MAX_BLOCKS, blocks, fits
+
+    def expert(*shapes):
+        return tuple(DirectTensor(torch.empty((2, *s), dtype=torch.bfloat16, device="meta"), 0, None) for s in shapes)
+
+    mixtral = expert((28672, 4096), (4096, 14336))
+    assert blocks(mixtral) == 21504 and fits(mixtral)
+    assert blocks(expert((3, BLOCK + 1), (1, 5))) == 4 + 1  # 3 * BLOCK + 3 elements, then 5
+    edge = expert((MAX_BLOCKS - 1, BLOCK), (1, 1))
+    assert blocks(edge) == MAX_BLOCKS and fits(edge)
+    assert not fits(expert((MAX_BLOCKS, BLOCK), (1, 1)))

@@ -117,7 +117,7 @@ def test_direct_int8_misses_hold_the_decoded_blob(device, checkpoint_factory, pa
     assert checked, "no miss was read directly"
 
 
-@pytest.mark.parametrize("case", ["cold", "recording", "off", "too_many_picks", "large_experts"])
+@pytest.mark.parametrize("case", ["cold", "recording", "off", "too_many_picks", "decode_bytes"])
 def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_factory, packed_factory, monkeypatch):
     """Layers that cannot run direct keep the host-routed path, still matching the untiered model."""
     cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
@@ -126,10 +126,10 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
         cfg["tiers"]["cpu"] = {"fraction": 0.2, "precision": "bf16"}  # some experts of every layer on disk
     if case == "too_many_picks":
         batch = 3  # 6 picks per call, 4 reserved slots
-    if case == "large_experts":
+    if case == "decode_bytes":
         from tiers.engine import TierManager
 
-        monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)  # these experts count as large: the copy engine moves them
+        monkeypatch.setattr(TierManager, "DECODE_BYTES", 1024)  # direct decode bounded below these experts' size
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
     ref.set_experts_implementation("grouped_mm")
     if case == "off":
@@ -143,6 +143,42 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
     ids = prompt(device, batch=batch)
     a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
     assert calls == []
+    assert torch.equal(a.sequences, b.sequences)
+    assert_decode_logits(a, b, device)
+
+
+def test_large_experts_decode_direct_exactly_without_stacks(device, checkpoint_factory, packed_factory, monkeypatch):
+    """Experts above ``STACK_BYTES`` (Mixtral-8x7B's, in the bench) still decode direct, every
+    layer call of every step, each miss's slot holding exactly its blob, and the logits match the
+    untiered model's; the staging path copies them (no direct stack), as it does large experts."""
+    from test_integrity import decoded
+
+    from tiers.engine import TierManager
+
+    monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    packed = packed_factory("mixtral")
+    model, mgr = _load(packed, DIRECT_BF16, device)
+    assert mgr.manifest.layers[0].blobs["bf16"].nbytes > TierManager.STACK_BYTES
+    fetch, stacked, misses = mgr.fetch_direct, [], []
+
+    def check(layer, idx):
+        ids = fetch(layer, idx)
+        pool = mgr.pool_of[layer]
+        for e, slot in zip(idx.reshape(-1).tolist(), ids.reshape(-1).tolist()):
+            if not mgr.table[ExpertKey(layer, e)].pinned:
+                want = decoded(packed, ExpertKey(layer, e), "bf16", device)
+                assert all(torch.equal(t, want[n]) for n, t in pool.tensors(slot).items()), f"layer {layer} expert {e}"
+                misses.append(e)
+        return ids
+
+    monkeypatch.setattr(mgr, "fetch_direct", check)
+    monkeypatch.setattr(mgr, "fetch_stack", lambda *a: stacked.append(a))
+    ids = prompt(device)
+    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
+    assert misses, "no miss was read directly"
+    assert stacked == [] and mgr.stats().direct["stacks"] == 0
     assert torch.equal(a.sequences, b.sequences)
     assert_decode_logits(a, b, device)
 
