@@ -38,6 +38,8 @@ Variants, to find where an arm's host time goes (each ``~name`` before the ``@``
   which shortens how long the serving thread can wait for the GIL behind another thread.
 - ``~nograph``: decode graphs off (``tiers.gpu.decode_graphs: false``): every experts call
   launches its kernels one by one from Python.
+- ``~largedirect``: direct decode for experts of any size (``DirectDecoder.DECODE_BYTES`` unbounded;
+  by default experts above 32 MiB in transfer form keep the host-routed path).
 
 ``--rebalance-warmup N``: ``@skewed`` arms with the rebalancer generate N more tokens before
 timing (as ``tools/bench.py``), so the timed tokens see a settled hot set.
@@ -129,7 +131,7 @@ class Clock:
                    "token_ms_all": [round(r["token_ms"], 3) for r in rows]})
 
 
-VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph")
+VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect")
 
 
 @contextlib.contextmanager
@@ -187,6 +189,7 @@ def main() -> int:
 
     import tiers
     from tools.bench import rebalance_warmup_generates
+    from tiers.engine import TierManager
     from tiers.integration import manager_of
     from tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of, write_result
 
@@ -281,8 +284,14 @@ def main() -> int:
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
                          "nvme": nvme,
                          "rebalance": {"every_tokens": (1 << 30) if every and "idle" in variants else every}}}
-        m = tiers.load(packed, cfg, device=device, progress=False)
-        measure(name, m, variants)
+        bound = TierManager.DECODE_BYTES
+        if "largedirect" in variants:
+            TierManager.DECODE_BYTES = None  # read when the first decode stage builds the direct tables
+        try:
+            m = tiers.load(packed, cfg, device=device, progress=False)
+            measure(name, m, variants)
+        finally:
+            TierManager.DECODE_BYTES = bound
         manager_of(m).close()
         del m
     write_result(args.out, result)

@@ -60,7 +60,12 @@ class _Reserved:
 class DirectDecoder:
     """Mixed into ``TierManager``: uses its table, pools, host pool, streams and stats."""
 
-    DECODE_BYTES: int | None = None  # the largest transfer form direct decode reads (None: any size)
+    # The largest transfer form direct decode reads (None: any size one launch holds). Larger
+    # experts keep the host-routed path: read directly, Mixtral-8x7B's (168 MiB in INT8) met the
+    # decode target in every bench arm, but its misses are not cached across steps and the SMs
+    # read 5% slower than the copy engine, so 2-36% more bytes per token and 0-8.6 ms more
+    # overhead per token in 7 of its 8 offloaded arms (bench/results/bench-mixtral-direct-large.md).
+    DECODE_BYTES: int | None = 32 << 20
 
     def _init_direct(self, enabled: bool) -> None:
         # on by config, on a GPU with Triton and a pinned pool (tests switch them on for the CPU reference)

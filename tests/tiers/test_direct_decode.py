@@ -147,15 +147,16 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
     assert_decode_logits(a, b, device)
 
 
-def test_large_experts_decode_direct_exactly_without_stacks(device, checkpoint_factory, packed_factory, monkeypatch):
-    """Experts above ``STACK_BYTES`` (Mixtral-8x7B's, in the bench) still decode direct, every
-    layer call of every step, each miss's slot holding exactly its blob, and the logits match the
+def test_large_experts_decode_direct_when_unbounded_exactly_without_stacks(device, checkpoint_factory, packed_factory, monkeypatch):
+    """With ``DECODE_BYTES`` unbounded, experts above ``STACK_BYTES`` (as Mixtral-8x7B's in the
+    bench) decode direct, each miss's slot holding exactly its blob, and the logits match the
     untiered model's; the staging path copies them (no direct stack), as it does large experts."""
     from test_integrity import decoded
 
     from tiers.engine import TierManager
 
     monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)
+    monkeypatch.setattr(TierManager, "DECODE_BYTES", None)
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
     ref.set_experts_implementation("grouped_mm")
     packed = packed_factory("mixtral")
