@@ -364,12 +364,61 @@ def _grouped_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidd
     return y[inverse].view(-1, k, y.shape[-1]).sum(dim=1).to(hidden_states.dtype)  # [T, H], summed as transformers does
 
 
+class _Picked:
+    """A weight slab as transformers' batched_mm forward sees it in ``_picked``: indexing it by the
+    picks' ids, as that forward does to gather each pick's weights, gives a strided view of the
+    picks' slots instead (no copy)."""
+
+    def __init__(self, view: torch.Tensor):
+        self.view = view
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        return self.view
+
+
+def _picked(proxy: _SlotExperts, slots: list[int]) -> _SlotExperts | None:
+    """``proxy`` with each weight slab seen as just ``slots``, in order (``_Picked``), when they are
+    two or fewer, distinct, and ascending: one strided view per slab (batch stride: the slots'
+    distance), so transformers' batched_mm forward runs its own operations on the slots in place
+    instead of first copying every pick's weights (Mixtral-8x7B's two picks: 672 MiB of bf16 per
+    layer call). Else None. A slab's slots are equally shaped and strided, so each pick's GEMM
+    reads the operand layout the gathered copy has."""
+    if not 1 <= len(slots) <= 2 or (len(slots) == 2 and slots[1] <= slots[0]) or proxy.has_bias:
+        return None
+    picked = _SlotExperts.__new__(_SlotExperts)
+    picked.__dict__.update(proxy.__dict__)
+    lo, step = slots[0], (slots[-1] - slots[0]) or 1
+    for name in ("gate_up_proj" if proxy.has_gate else "up_proj", "down_proj"):
+        slab = getattr(proxy, name)
+        view = slab.as_strided((len(slots), *slab.shape[1:]), (step * slab.stride(0), *slab.stride()[1:]),
+                               slab.storage_offset() + lo * slab.stride(0))
+        setattr(picked, name, _Picked(view))
+    return picked
+
+
+@functools.lru_cache(maxsize=None)
+def _pick_ids(k: int) -> torch.Tensor:
+    """The ids a ``_picked`` forward is called with: only their shape ([1, k]) is read (the
+    weights' "gather" returns the views whatever the ids), so they hold no data."""
+    return torch.empty((1, k), dtype=torch.int64, device="meta")
+
+
 def _batched_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidden_states: torch.Tensor,
                          top_k_weights: torch.Tensor, picks: list[int], k: int) -> torch.Tensor:
     """transformers' batched_mm forward (its decode kernels on a GPU) with each pick's slot as its
-    expert id: one upload of the ids, then exactly the untiered model's decode operations."""
+    expert id: one upload of the ids, then exactly the untiered model's decode operations. One
+    token's one or two picks (Mixtral's decode) skip the weights' gather: in ascending slot order
+    (their weights swapped with them; a sum of two is the same either way) the forward runs on
+    strided views of their slots (``_picked``)."""
     slot_of = {h.key.expert: h.slot for h in held}
-    ids = mgr.upload_ints([slot_of[e] for e in picks], dtype=torch.int64).view(-1, k)  # [T, k] slots
+    slots = [slot_of[e] for e in picks]
+    if hidden_states.shape[0] == 1 and len(slots) == k:
+        swap = len(slots) == 2 and slots[1] < slots[0]
+        picked = _picked(proxy, slots[::-1] if swap else slots)
+        if picked is not None:
+            mgr.wait_all(held)
+            return batched_mm_experts_forward(picked, hidden_states, _pick_ids(k), top_k_weights.flip(-1) if swap else top_k_weights)
+    ids = mgr.upload_ints(slots, dtype=torch.int64).view(-1, k)  # [T, k] slots
     mgr.wait_all(held)
     return batched_mm_experts_forward(proxy, hidden_states, ids, top_k_weights)
 

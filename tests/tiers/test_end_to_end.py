@@ -440,3 +440,82 @@ def test_window_linear_is_transformers_grouped_linear(bias, device):
     want = _grouped_linear(x, w, offs, bias=None if b is None else b.clone(), is_transposed=True)
     got = _window_linear(x, w, offs, None if b is None else b.clone())
     assert torch.equal(got, want)
+
+
+def _slot_proxy(model_type: str, device, n_slots: int = 6, seed: int = 0):
+    """An experts module of ``model_type`` (tiny) seen through random bf16 slabs of ``n_slots``."""
+    from tiers.integration import _proxy
+    from tools.measure import TINY, build
+
+    module = find_experts_modules(build(model_type, dict(TINY[model_type], layers=1), torch.device("cpu")))[0][1]
+    g = torch.Generator().manual_seed(seed)
+    names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    slabs = {n: torch.randn((n_slots, *getattr(module, n).shape[1:]), generator=g).to(torch.bfloat16).to(device) for n in names}
+    return _proxy(module, slabs, n_slots), slabs
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_picked_views_are_the_slots_in_place_and_compute_what_the_gather_does(model_type, device):
+    """``_picked``: one or two ascending slots become strided views of the slabs (the slots' own
+    storage, equal to the gathered weights); anything else is refused. transformers' batched_mm
+    forward on them gives exactly what it gives gathering the slots, swapped picks included."""
+    from transformers.integrations.moe import batched_mm_experts_forward
+
+    from loader.layout import ExpertKey
+    from tiers.integration import _batched_host_routed, _picked
+
+    proxy, slabs = _slot_proxy(model_type, device)
+    for slots in ([1, 4], [0, 5], [2, 3], [3]):
+        picked = _picked(proxy, slots)
+        for name, slab in slabs.items():
+            view = getattr(picked, name)[torch.tensor(slots)]
+            assert torch.equal(view, slab[slots]) and view.data_ptr() == slab[slots[0]].data_ptr(), (slots, name)
+    assert all(_picked(proxy, s) is None for s in ([4, 1], [2, 2], [0, 1, 2], []))
+    assert _picked(proxy, [1, 4]).down_proj.view.stride()[0] == 3 * slabs["down_proj"].stride(0)
+
+    class Mgr:  # what _batched_host_routed asks of the manager: waits, and an upload for the gather
+        waited = 0
+
+        def wait_all(self, held):
+            Mgr.waited += 1
+
+        def upload_ints(self, values, dtype):
+            raise AssertionError("one token's picks must not be uploaded")
+
+    class Held:
+        def __init__(self, e, slot):
+            self.key, self.slot = ExpertKey(0, e), slot
+
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn((1, slabs["down_proj"].shape[-1] if proxy.is_transposed else slabs["down_proj"].shape[1]), generator=g)
+    h = h.to(torch.bfloat16).to(device)
+    for slots in ([1, 4], [4, 1], [5]):
+        k = len(slots)
+        w = torch.rand((1, k), generator=g).to(torch.bfloat16).to(device)
+        want = batched_mm_experts_forward(proxy, h, torch.tensor([slots], device=device), w)
+        got = _batched_host_routed(proxy, Mgr(), [Held(10 + i, s) for i, s in enumerate(slots)], h, w, [10 + i for i in range(k)], k)
+        assert torch.equal(got, want), slots
+    assert Mgr.waited == 3
+
+
+def test_one_token_decode_reads_its_two_picks_in_place(device, checkpoint_factory, packed_factory, monkeypatch):
+    """Batch-1 decode of a top-2 model through staged layers: every host-routed call runs on the
+    picks' slots in place (``_picked``), and the logits match the untiered model's."""
+    import tiers.integration as integ
+
+    used = []
+    picked = integ._picked
+    monkeypatch.setattr(integ, "_picked", lambda proxy, slots: used.append(slots) or picked(proxy, slots) or used.pop())
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model = tiers.load(packed_factory("mixtral"), BF16_GROUPED, device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.batched_decode = True
+    if device.type == "cuda":
+        mgr.direct_decode = False  # the host-routed path, which direct decode would take over
+    ids = prompt(device, batch=1)
+    a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
+    staged = len(mgr.manifest.layers) - len(mgr.static_maps)
+    assert len(used) == staged * (GEN["max_new_tokens"] - 1) and all(len(s) == 2 and s[0] < s[1] for s in used), used
+    assert torch.equal(a.sequences, b.sequences)
+    assert_decode_logits(a, b, device)
