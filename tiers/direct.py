@@ -1,4 +1,4 @@
-"""Direct reads: the GPU decodes small experts straight out of the pinned pool.
+"""Direct reads: the GPU decodes experts straight out of the pinned pool.
 
 Owns: direct stacks (the staging path's small misses, decoded in place from host memory in one
 launch per stack on the copy stream instead of a copy each plus a dequantization), and direct
@@ -15,10 +15,9 @@ and writes every pick's slot id, which transformers' ``batched_mm`` decode forwa
 its expert ids. Nothing syncs, so the host queues the next layers while the GPU reads.
 
 A layer qualifies when each of its experts is hot or warm (none on disk: the GPU cannot read a
-file) in a precision ``quant.direct`` decodes, its experts are small (transfer form at most
-``STACK_BYTES``: the SMs read pinned memory at 46-51 GB/s against the copy engine's 53-55, so
-large experts, whose copies outlast the host's work anyway, keep the copy engine), and no
-routing trace is being recorded. With the rebalancer on, direct calls count their picks per
+file) in a precision ``quant.direct`` decodes, its experts are at most ``DECODE_BYTES`` in
+transfer form (32 MiB: larger ones keep the copy engine and the staging cache, see
+``DECODE_BYTES``), and no routing trace is being recorded. With the rebalancer on, direct calls count their picks per
 expert on the device; the rebalancer takes those counts (one sync) when an interval closes,
 and when its swaps land the tables are rebuilt and the compute stream waits for the copies
 into the promoted experts' hot slots. Other layers keep the host-routed path, in the
@@ -63,8 +62,9 @@ class DirectDecoder:
     # The largest transfer form direct decode reads (None: any size one launch holds). Larger
     # experts keep the host-routed path: read directly, Mixtral-8x7B's (168 MiB in INT8) met the
     # decode target in every bench arm, but its misses are not cached across steps and the SMs
-    # read 5% slower than the copy engine, so 2-36% more bytes per token and 0-8.6 ms more
-    # overhead per token in 7 of its 8 offloaded arms (bench/results/bench-mixtral-direct-large.md).
+    # read 5% slower than the copy engine: 2-36% more bytes per token, and in 7 of its 8 offloaded
+    # arms more overhead per token (up to 8.6 ms) than the host-routed path's in the run before
+    # (bench/results/bench-mixtral-direct-large.md against bench-mixtral-run30.md).
     DECODE_BYTES: int | None = 32 << 20
 
     def _init_direct(self, enabled: bool) -> None:
