@@ -41,6 +41,29 @@ def _count_direct(monkeypatch, mgr):
     return calls
 
 
+def _check_misses(monkeypatch, mgr, packed, precision: str, device) -> list[int]:
+    """Spy on direct calls: after each, every missed pick's slot must hold exactly its blob in
+    ``precision``, decoded alone; returns the list the checked misses are appended to."""
+    from test_integrity import decoded
+
+    checked: list[int] = []
+    fetch = mgr.fetch_direct
+
+    def check(layer, idx):
+        ids = fetch(layer, idx)
+        pool = mgr.pool_of[layer]
+        for e, slot in zip(idx.reshape(-1).tolist(), ids.reshape(-1).tolist()):
+            if not mgr.table[ExpertKey(layer, e)].pinned:
+                want = decoded(packed, ExpertKey(layer, e), precision, device)
+                for name, t in pool.tensors(slot).items():
+                    assert torch.equal(t, want[name]), f"layer {layer} expert {e} {name}"
+                checked.append(e)
+        return ids
+
+    monkeypatch.setattr(mgr, "fetch_direct", check)
+    return checked
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_direct_decode_matches_untiered_decode(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
     ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory(model_type), dtype=torch.bfloat16).to(device).eval()
@@ -93,26 +116,10 @@ def test_direct_counts_resident_and_read_picks(device, checkpoint_factory, packe
 def test_direct_int8_misses_hold_the_decoded_blob(device, checkpoint_factory, packed_factory, monkeypatch):
     """INT8 warm tier: after a direct call, each missed pick's slot holds exactly what the scheme
     decodes from the expert's blob; logits stay close to bf16 (the INT8 bound of the end-to-end tests)."""
-    from test_integrity import decoded
-
     cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "int8"}, "nvme": {"precision": "int8"}}}
     packed = packed_factory("qwen3_moe")
     model, mgr = _load(packed, cfg, device)
-    checked = []
-    fetch = mgr.fetch_direct
-
-    def check(layer, idx):
-        ids = fetch(layer, idx)
-        pool = mgr.pool_of[layer]
-        for e, slot in zip(idx.reshape(-1).tolist(), ids.reshape(-1).tolist()):
-            if not mgr.table[ExpertKey(layer, e)].pinned:
-                want = decoded(packed, ExpertKey(layer, e), "int8", device)
-                for name, t in pool.tensors(slot).items():
-                    assert torch.equal(t, want[name]), f"layer {layer} expert {e} {name}"
-                checked.append(e)
-        return ids
-
-    monkeypatch.setattr(mgr, "fetch_direct", check)
+    checked = _check_misses(monkeypatch, mgr, packed, "int8", device)
     model.generate(prompt(device, batch=1), **GEN)
     assert checked, "no miss was read directly"
 
@@ -151,8 +158,6 @@ def test_large_experts_decode_direct_when_unbounded_exactly_without_stacks(devic
     """With ``DECODE_BYTES`` unbounded, experts above ``STACK_BYTES`` (as Mixtral-8x7B's in the
     bench) decode direct, each miss's slot holding exactly its blob, and the logits match the
     untiered model's; the staging path copies them (no direct stack), as it does large experts."""
-    from test_integrity import decoded
-
     from tiers.engine import TierManager
 
     monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)
@@ -162,19 +167,7 @@ def test_large_experts_decode_direct_when_unbounded_exactly_without_stacks(devic
     packed = packed_factory("mixtral")
     model, mgr = _load(packed, DIRECT_BF16, device)
     assert mgr.manifest.layers[0].blobs["bf16"].nbytes > TierManager.STACK_BYTES
-    fetch, stacked, misses = mgr.fetch_direct, [], []
-
-    def check(layer, idx):
-        ids = fetch(layer, idx)
-        pool = mgr.pool_of[layer]
-        for e, slot in zip(idx.reshape(-1).tolist(), ids.reshape(-1).tolist()):
-            if not mgr.table[ExpertKey(layer, e)].pinned:
-                want = decoded(packed, ExpertKey(layer, e), "bf16", device)
-                assert all(torch.equal(t, want[n]) for n, t in pool.tensors(slot).items()), f"layer {layer} expert {e}"
-                misses.append(e)
-        return ids
-
-    monkeypatch.setattr(mgr, "fetch_direct", check)
+    misses, stacked = _check_misses(monkeypatch, mgr, packed, "bf16", device), []
     monkeypatch.setattr(mgr, "fetch_stack", lambda *a: stacked.append(a))
     ids = prompt(device)
     a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
