@@ -412,7 +412,7 @@ def _batched_host_routed(proxy: _SlotExperts, mgr: TierManager, held: list, hidd
     strided views of their slots (``_picked``)."""
     slot_of = {h.key.expert: h.slot for h in held}
     slots = [slot_of[e] for e in picks]
-    if hidden_states.shape[0] == 1 and len(slots) == k:
+    if hidden_states.shape[0] == 1:  # one token: its k picks
         swap = len(slots) == 2 and slots[1] < slots[0]
         picked = _picked(proxy, slots[::-1] if swap else slots)
         if picked is not None:
