@@ -13,6 +13,16 @@ device. Elsewhere (and without Triton) ``fetch_reference`` does the same with th
 torch operations, so the two agree bit for bit (the tests compare them). Supported encodings:
 ``bf16`` (a copy) and ``int8`` (per-row scale, ``q * s`` in fp32 rounded to bf16, as
 ``quant.int8`` computes it).
+
+Also ``fetch_cached``: the same over a ``SlotCache``, slots that keep what they decoded across
+calls. ``plan`` decides each pick's slot on the device (one program, the picks in order): a
+resident pick reports its slot, a pick whose expert a cache slot holds reports that slot, and
+any other takes a victim slot, which ``fetch_planned`` then decodes into. Victim rule, for calls
+that visit the rows of a grid of layers in order and cyclically (a decode step): an empty slot,
+else the slot whose expert's row comes back last after this call's row, least recently used
+among those; never a slot an earlier pick of the same call uses. That is Belady's choice among
+the held experts when each row is visited once per cycle (a held expert is next wanted no
+sooner than its row's next visit).
 """
 from __future__ import annotations
 
@@ -96,17 +106,144 @@ def fetch_reference(src: torch.Tensor, starts: torch.Tensor, resident: torch.Ten
             continue
         slot = int(dst[j])
         slots_out.append(slot)
-        for t in tensors:
-            shape = tuple(t.out.shape[1:])
-            n = math.prod(shape)
-            at = st[e] + t.data
-            if t.scale is None:
-                t.out[slot].copy_(src[at : at + 2 * n].view(torch.bfloat16).view(shape).to(t.out.device))
-            else:
-                q = src[at : at + n].view(torch.int8).view(shape).to(t.out.device)
-                s_at = st[e] + t.scale
-                s = src[s_at : s_at + 4 * (n // shape[-1])].view(torch.float32).view(*shape[:-1], 1).to(t.out.device)
-                torch.mul(q, s, out=t.out[slot])
+        _decode_into(src, st[e], slot, tensors)
     ids.copy_(torch.tensor(slots_out, dtype=ids.dtype))
     counts += torch.tensor([hits, len(slots_out) - hits], dtype=counts.dtype, device=counts.device)
+    return ids
+
+
+@dataclass(frozen=True)
+class SlotCache:
+    """Slots of the output slabs that keep what they decoded across ``fetch_cached`` calls.
+    Experts are named by cell, ``row * width + expert``, of a grid whose rows the calls visit in
+    order, cyclically. Every tensor lives on the slabs' device and is allocated once, so a CUDA
+    graph of a call keeps reading and writing the same memory."""
+
+    slots: torch.Tensor  # int32 [R]: the slab rows the cache owns
+    owner: torch.Tensor  # int64 [R]: the cell each slot holds, -1 for none
+    stamp: torch.Tensor  # int64 [R]: the clock at each slot's last use
+    clock: torch.Tensor  # int64 [1]: picks planned so far
+    dst: torch.Tensor  # int32 [R]: per pick of the last call, the slot it decodes into, -1 for none
+    rows: int
+    width: int
+
+    @classmethod
+    def new(cls, slots: list[int], rows: int, width: int, device: torch.device | str) -> SlotCache:
+        if not slots:
+            raise ValueError("a slot cache needs at least one slot")
+        r = len(slots)
+        return cls(torch.tensor(slots, dtype=torch.int32, device=device), torch.full((r,), -1, dtype=torch.int64, device=device),
+                   torch.zeros(r, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device),
+                   torch.full((r,), -1, dtype=torch.int32, device=device), rows, width)
+
+    def clear(self) -> None:
+        """Forget every slot's expert (queued on the current stream)."""
+        self.owner.fill_(-1)
+        self.stamp.zero_()
+        self.clock.zero_()
+
+
+def plan(cache: SlotCache, row: int, resident: torch.Tensor, picks: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+         usage: torch.Tensor | None = None) -> None:
+    """See the module docstring: ``ids[j]`` receives pick ``j``'s slot, ``cache.dst[j]`` the slot
+    it decodes into (-1: it reads a resident or cached slot); ``counts`` (int64 ``[3]``) grows by
+    the resident, the decoded and the cached picks. ``resident``: int32 ``[E]`` of row ``row``
+    (-1: not resident); ``picks``: int64 ``[m]``, at most as many as the cache's slots."""
+    m, r = picks.numel(), cache.slots.numel()
+    if m > r:
+        raise ValueError(f"direct plan: {m} picks, more than the cache's {r} slots")
+    if not 0 <= row < cache.rows:
+        raise ValueError(f"direct plan: row {row} outside the cache's {cache.rows} rows")
+    if cache.slots.device.type == "cuda" and kernel_available():
+        from quant.direct_kernel import launch_plan
+
+        launch_plan(cache, row, resident, picks, ids, counts, usage)
+        return
+    plan_reference(cache, row, resident, picks, ids, counts, usage)
+
+
+def victim(owner: list[int], stamp: list[int], used: set[int], row: int, rows: int, width: int) -> int:
+    """The cache lane a miss takes (the module docstring's rule): an empty one, else the one whose
+    row comes back last after ``row``, then the least recently used, then the first."""
+    def key(i: int) -> tuple[int, int, int]:
+        back = rows + 1 if owner[i] < 0 else (owner[i] // width - row - 1) % rows + 1
+        return (-back, stamp[i], i)
+    return min((i for i in range(len(owner)) if i not in used), key=key)
+
+
+def plan_reference(cache: SlotCache, row: int, resident: torch.Tensor, picks: torch.Tensor, ids: torch.Tensor,
+                   counts: torch.Tensor, usage: torch.Tensor | None = None) -> None:
+    """``plan`` on the host, one pick at a time (brings the cache and the picks to the host)."""
+    owner, stamp, slots = cache.owner.tolist(), cache.stamp.tolist(), cache.slots.tolist()
+    now = int(cache.clock[0])
+    res = resident.tolist()
+    out_ids, out_dst, used, n = [], [-1] * len(slots), set(), [0, 0, 0]
+    for j, e in enumerate(picks.tolist()):
+        cell = row * cache.width + e
+        if usage is not None:
+            usage[e] += 1
+        if res[e] >= 0:
+            out_ids.append(res[e])
+            n[0] += 1
+        else:
+            if cell in owner:
+                i = owner.index(cell)
+                n[2] += 1
+            else:
+                i = victim(owner, stamp, used, row, cache.rows, cache.width)
+                owner[i] = cell
+                out_dst[j] = slots[i]
+                n[1] += 1
+            stamp[i] = now
+            used.add(i)
+            out_ids.append(slots[i])
+        now += 1
+    dev = cache.owner.device
+    cache.owner.copy_(torch.tensor(owner, dtype=torch.int64, device=dev))
+    cache.stamp.copy_(torch.tensor(stamp, dtype=torch.int64, device=dev))
+    cache.clock.fill_(now)
+    cache.dst.copy_(torch.tensor(out_dst, dtype=torch.int32, device=dev))
+    ids.copy_(torch.tensor(out_ids, dtype=ids.dtype))
+    counts += torch.tensor(n, dtype=counts.dtype, device=counts.device)
+
+
+def fetch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
+                  tensors: tuple[DirectTensor, ...]) -> None:
+    """Decode pick ``j``'s expert (``starts[picks[j]]`` in ``src``) into slot ``dst[j]`` of every
+    output slab, for each ``j`` with ``dst[j] >= 0`` (``dst`` as ``plan`` leaves it)."""
+    if not 1 <= len(tensors) <= 3:
+        raise ValueError(f"direct fetch: an expert of 1 to 3 tensors, got {len(tensors)}")
+    if tensors[0].out.device.type == "cuda" and kernel_available():
+        from quant.direct_kernel import launch_planned
+
+        launch_planned(src, starts, picks, dst, tensors)
+        return
+    st = starts.tolist()
+    for e, slot in zip(picks.tolist(), dst[: picks.numel()].tolist()):
+        if slot >= 0:
+            _decode_into(src, st[e], slot, tensors)
+
+
+def _decode_into(src: torch.Tensor, start: int, slot: int, tensors: tuple[DirectTensor, ...]) -> None:
+    """The reference's decode of the expert at byte ``start`` of ``src`` into ``slot`` of every slab."""
+    for t in tensors:
+        shape = tuple(t.out.shape[1:])
+        n = math.prod(shape)
+        at = start + t.data
+        if t.scale is None:
+            t.out[slot].copy_(src[at : at + 2 * n].view(torch.bfloat16).view(shape).to(t.out.device))
+        else:
+            q = src[at : at + n].view(torch.int8).view(shape).to(t.out.device)
+            s_at = start + t.scale
+            s = src[s_at : s_at + 4 * (n // shape[-1])].view(torch.float32).view(*shape[:-1], 1).to(t.out.device)
+            torch.mul(q, s, out=t.out[slot])
+
+
+def fetch_cached(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, cache: SlotCache,
+                 row: int, ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...],
+                 usage: torch.Tensor | None = None) -> torch.Tensor:
+    """``plan`` then ``fetch_planned``: every pick's slot in ``ids``, each miss decoded into a
+    cache slot that keeps it for later calls. Two launches on CUDA, no host sync."""
+    plan(cache, row, resident, picks, ids, counts, usage)
+    fetch_planned(src, starts, picks, cache.dst, tensors)
     return ids

@@ -40,18 +40,23 @@ def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
            out0, d0, s0, n0, c0, nb0,
            out1, d1, s1, n1, c1, nb1,
            out2, d2, s2, n2, c2,
-           QUANT: tl.constexpr, USAGE: tl.constexpr, BLOCK: tl.constexpr):
+           QUANT: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(picks + j)
-    r = tl.load(resident + e)
-    slot = tl.where(r >= 0, r, tl.load(dst + j)).to(tl.int64)
-    if b == 0:
-        tl.store(ids + j, slot)
-        tl.atomic_add(counts + (r < 0).to(tl.int32), 1)
-        if USAGE:
-            tl.atomic_add(usage + e, 1)
-    if r < 0:
+    if PLANNED:  # ``plan`` decided: decode into dst[j] when it is a slot; resident, ids, counts unused
+        slot = tl.load(dst + j).to(tl.int64)
+        go = slot >= 0
+    else:
+        r = tl.load(resident + e)
+        slot = tl.where(r >= 0, r, tl.load(dst + j)).to(tl.int64)
+        go = r < 0
+        if b == 0:
+            tl.store(ids + j, slot)
+            tl.atomic_add(counts + (r < 0).to(tl.int32), 1)
+            if USAGE:
+                tl.atomic_add(usage + e, 1)
+    if go:
         base = src + tl.load(starts + e)
         if b < nb0:
             _block(base, d0, s0, out0 + slot * n0, b, n0, c0, QUANT, BLOCK)
@@ -76,18 +81,103 @@ class _Plan:
         if self.blocks > MAX_BLOCKS:
             raise ValueError(f"direct fetch: an expert of {self.blocks} blocks of {BLOCK} elements, at most {MAX_BLOCKS} fit one launch")
         self.quant = tensors[0].scale is not None
-        self.relaunch = {usage: triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, BLOCK=BLOCK, num_warps=WARPS))
+        self.relaunch = {usage: triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, PLANNED=False, BLOCK=BLOCK, num_warps=WARPS))
                          for usage in (False, True)}
+        self.relaunch["planned"] = triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=False, PLANNED=True, BLOCK=BLOCK, num_warps=WARPS))
 
 
-def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
-           ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
+def _plan_of(tensors) -> _Plan:
     plan = getattr(tensors, "launch_plan", None)
     if plan is None:
         plan = _Plan(tensors)
         if hasattr(tensors, "launch_plan"):  # a DirectExpert keeps it
             tensors.launch_plan = plan
+    return plan
+
+
+def _key(tensors) -> tuple:
+    """What decides Triton's compiled kernel among the arguments that vary: dtypes and 16-byte alignment."""
+    return tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
+
+
+def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
+           ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
+    plan = _plan_of(tensors)
     dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage)
-    # what decides Triton's compiled kernel among the arguments that vary: dtypes and 16-byte alignment
-    key = tuple((t.dtype, t.data_ptr() & 15 == 0) for t in dynamic)
-    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), key)
+    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+
+
+def launch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
+    plan = _plan_of(tensors)
+    # the unused resident, ids, counts and usage get tensors of their dtypes
+    dynamic = (src, starts, dst, picks, dst, starts, starts, starts)
+    plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+
+
+@triton.jit(do_not_specialize=["m", "row", "rows", "width"])
+def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts, usage, row, rows, width,
+                R: tl.constexpr, RP: tl.constexpr, USAGE: tl.constexpr):
+    """One program: the picks in order, the cache's lanes as a vector (``quant.direct.plan``)."""
+    lane = tl.arange(0, RP)
+    live = lane < R
+    own = tl.load(owner + lane, mask=live, other=-1)
+    stp = tl.load(stamp + lane, mask=live, other=0)
+    slot_of = tl.load(slots + lane, mask=live, other=0).to(tl.int64)
+    used = lane >= R  # dead lanes count as used: never a victim
+    now = tl.load(clock)
+    resident_n = now * 0
+    cached_n = now * 0
+    row64 = row.to(tl.int64)
+    for j in range(0, m):
+        e = tl.load(picks + j)
+        cell = row64 * width + e
+        h = tl.load(resident + e).to(tl.int64)
+        hot = h >= 0
+        cold = h < 0
+        match = (own == cell) & live
+        found = tl.max(match.to(tl.int32), axis=0) > 0
+        absent = tl.max(match.to(tl.int32), axis=0) == 0
+        # the victim: the row that comes back last (an empty lane beyond any), then the oldest stamp
+        back = tl.where(own < 0, rows + 1, ((own // width) - row64 - 1 + rows) % rows + 1)
+        back = tl.where(used, -1, back)
+        far = tl.max(back, axis=0)
+        age = tl.where(back == far, stp, 0x7FFFFFFFFFFFFFFF)
+        at = tl.where(found, tl.argmax(match.to(tl.int32), axis=0), tl.argmin(age, axis=0))
+        chosen = lane == at
+        slot = tl.sum(tl.where(chosen, slot_of, 0), axis=0)
+        miss = cold & absent
+        touch = chosen & cold
+        own = tl.where(touch & miss, cell, own)
+        stp = tl.where(touch, now, stp)
+        used = used | touch
+        tl.store(ids + j, tl.where(hot, h, slot))
+        tl.store(dst + j, tl.where(miss, slot, -1).to(tl.int32))
+        resident_n += hot.to(tl.int64)
+        cached_n += (found & cold).to(tl.int64)
+        now += 1
+        if USAGE:
+            tl.atomic_add(usage + e, 1)
+    tl.store(owner + lane, own, mask=live)
+    tl.store(stamp + lane, stp, mask=live)
+    tl.store(clock, now)
+    tl.atomic_add(counts, resident_n)
+    tl.atomic_add(counts + 1, m - resident_n - cached_n)
+    tl.atomic_add(counts + 2, cached_n)
+
+
+_planners: dict[tuple[int, bool], object] = {}  # (cache lanes, counting usage) -> relauncher
+
+
+def launch_plan(cache, row: int, resident: torch.Tensor, picks: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
+                usage: torch.Tensor | None) -> None:
+    r = cache.slots.numel()
+    key = (r, usage is not None)
+    run = _planners.get(key)
+    if run is None:
+        run = _planners[key] = triton_relauncher(_plan_picks, dict(R=r, RP=max(2, triton.next_power_of_2(r)), USAGE=usage is not None,
+                                                                   num_warps=1))
+    tensors = (picks, resident, cache.slots, cache.owner, cache.stamp, cache.clock, ids, cache.dst, counts,
+               counts if usage is None else usage)
+    args = (picks, picks.numel(), resident, cache.slots, cache.owner, cache.stamp, cache.clock, ids, cache.dst, counts,
+            counts if usage is None else usage, row, cache.rows, cache.width)
+    run((1, 1), args, _key(tensors))

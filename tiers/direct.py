@@ -21,13 +21,21 @@ transfer form (32 MiB: larger ones keep the copy engine and the staging cache, s
 expert on the device; the rebalancer takes those counts (one sync) when an interval closes,
 and when its swaps land the tables are rebuilt and the compute stream waits for the copies
 into the promoted experts' hot slots. Other layers keep the host-routed path, in the
-same step. A miss is read into the reserved slot of its pick, so the reserved slots hold no
-cache across steps: hits are the hot experts.
+same step.
 
-Slot rule: at ``begin_decode`` the manager holds the last ``staging // 2`` staging slots of each
-pool with a qualifying layer (after their pending writes, their owners evicted), so the
-host-routed path and the cache never touch them; every direct write and read is on the compute
-stream, in order; ``end_decode`` gives them back with a last-read event recorded there.
+The reserved slots are a cache kept on the device (``quant.direct.SlotCache``): a pick whose
+expert a reserved slot still holds from an earlier step is read there, and a miss evicts the
+slot whose expert's layer comes back last (Belady's choice when every layer runs once per step),
+decided by a one-program kernel before the decode launch. The host never learns what they hold.
+
+Slot rule: at ``begin_decode`` the manager holds staging slots of each pool with a qualifying
+layer (after their pending writes, their owners evicted), so the host-routed path and its cache
+never touch them: all of them when every layer of the pool runs direct, else the last
+``staging // 2``; the slot cache over them starts empty. Every direct write and read is on the
+compute stream, in order. A call that cannot run direct in a pool whose staging slots are all
+reserved gives them back first (``_release``), and the pool's layers run host-routed until the
+next stage; ``end_decode`` gives the rest back, with a last-read event recorded on the compute
+stream.
 """
 from __future__ import annotations
 
@@ -53,7 +61,8 @@ class _DirectLayer:
 @dataclass
 class _Reserved:
     slots: list[int]
-    dst: torch.Tensor  # int32 [len(slots)] on the device: pick j's miss goes to dst[j]
+    cache: direct.SlotCache  # what the slots hold, kept and decided on the device
+    every: bool  # the slots are all the pool's staging slots: the host-routed path has none
 
 
 class DirectDecoder:
@@ -88,8 +97,9 @@ class DirectDecoder:
         self._table_host: tuple[torch.Tensor, torch.Tensor] | None = None
         self._table_copied: Any | None = None
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
-        self._reserved_dst: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # (pool id, slots) -> those slots on the device
-        self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [2]: resident, decoded picks
+        # (pool id, slots) -> the slot cache over them, kept across decode stages: the decode graphs keep its tensors
+        self._slot_caches: dict[tuple[int, tuple[int, ...]], direct.SlotCache] = {}
+        self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [3]: resident, decoded, cached picks
         self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
         # picks per expert of every layer, counted on the device for the rebalancer (fetched once per
         # interval), laid out as the residency table's grid: one row per layer
@@ -162,7 +172,7 @@ class DirectDecoder:
                 rows, width = len(t.grid.layers), t.grid.width
                 self._table_starts = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
                 self._table_resident = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
-            counts = self._direct_counts.setdefault(id(pool), torch.zeros(2, dtype=torch.int64, device=self.device))
+            counts = self._direct_counts.setdefault(id(pool), torch.zeros(3, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
             usage = None if self._usage is None else self._usage[row, :n]
             out[layer] = _DirectLayer(self._table_starts[row, :n], self._table_resident[row, :n], self.direct_tensors(pool, blob),
@@ -215,7 +225,9 @@ class DirectDecoder:
         return taken
 
     def begin_decode(self) -> None:
-        """A decode stage begins: reserve slots for the qualifying layers' misses."""
+        """A decode stage begins: reserve slots for the qualifying layers' misses, each pool's as a
+        slot cache emptied on the device. A pool every one of whose layers runs direct (static
+        layers aside) gives it all its staging slots; else half, the rest for the host-routed path."""
         if not self.direct_decode or self.recorded is not None or self._reserved:
             return
         if self._direct_layers is None or self._direct_version != self.table.homes_version:
@@ -224,41 +236,54 @@ class DirectDecoder:
             return
         self.drain()  # read-aheads hold slots until they land
         compute = self.streams.current()
+        grid = self.table.grid
         for pool in {id(d.pool): d.pool for d in self._direct_layers.values()}.values():
-            hot = self.hot_count[id(pool)]
-            n = (pool.n_slots - hot) // 2
+            staging = pool.n_slots - self.hot_count[id(pool)]
+            every = all(L in self._direct_layers for L in self.manifest.layers if self.pool_of[L] is pool and L not in self.static_maps)
+            n = staging if every else staging // 2
             if n == 0:
                 continue
             slots = list(range(pool.n_slots - n, pool.n_slots))
             for s in slots:
                 assert pool.readers[s] == 0, f"slot {s} is held between forwards"
                 self.reserve_slot(pool, s, compute)
-            dst = self._reserved_dst.get((id(pool), tuple(slots)))
-            if dst is None:  # the same slots get the same tensor each decode stage: the decode graphs keep it
-                dst = self._reserved_dst[(id(pool), tuple(slots))] = torch.tensor(slots, dtype=torch.int32, device=self.device)
-            self._reserved[id(pool)] = _Reserved(slots, dst)
+            cache = self._slot_caches.get((id(pool), tuple(slots)))
+            if cache is None:  # the same slots get the same cache each decode stage: the decode graphs keep it
+                cache = self._slot_caches[(id(pool), tuple(slots))] = direct.SlotCache.new(slots, len(grid.layers), grid.width, self.device)
+            cache.clear()  # the slots' contents are the host-routed path's leftovers
+            self._reserved[id(pool)] = _Reserved(slots, cache, every and n == staging)
 
     def end_decode(self) -> None:
         """The decode stage ended: the reserved slots go back, read last by what is queued now."""
-        if not self._reserved:
+        for pool in self.pools:
+            self._release(pool)
+
+    def _release(self, pool: Any) -> None:
+        """``pool``'s reserved slots (if any) go back to the host-routed path, read last by what is
+        queued now on the compute stream; its layers run host-routed until the next decode stage."""
+        r = self._reserved.pop(id(pool), None)
+        if r is None:
             return
         ev = self.streams.event()
         ev.record(self.streams.current())
-        for pool in self.pools:
-            r = self._reserved.pop(id(pool), None)
-            if r is not None:
-                for s in r.slots:
-                    pool.end_read_at(s, ev)
+        for s in r.slots:
+            pool.end_read_at(s, ev)
 
     def direct_ready(self, layer: int, picks: int) -> bool:
-        """True when this layer call (``picks`` = tokens x top-k) runs direct."""
+        """True when this layer call (``picks`` = tokens x top-k) runs direct. A call that cannot
+        (its layer does not qualify, or more picks than reserved slots), in a pool whose reserved
+        slots are all its staging slots, first gives them back: the host-routed path needs some."""
         if not self._reserved:
             return False
-        d = self._direct_layers.get(layer)
-        if d is None:
+        pool = self.pool_of[layer]
+        r = self._reserved.get(id(pool))
+        if r is None:
             return False
-        r = self._reserved.get(id(d.pool))
-        return r is not None and picks <= len(r.slots)
+        if layer in self._direct_layers and picks <= len(r.slots):
+            return True
+        if r.every:
+            self._release(pool)
+        return False
 
     def fetch_direct(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
         """The slot of each pick (int64, shaped as ``top_k_index``), with every miss decoded into
@@ -273,9 +298,12 @@ class DirectDecoder:
                 self._refresh_direct()
         d = self._direct_layers.get(layer)
         if d is None:
+            r = self._reserved.get(id(self.pool_of[layer]))
+            if r is not None and r.every:
+                self._release(self.pool_of[layer])  # the host-routed path this call takes needs staging slots
             return None
         flat = top_k_index.reshape(-1)
-        dst = self._reserved[id(d.pool)].dst[: flat.numel()]
+        cache, row = self._reserved[id(d.pool)].cache, self.table.grid.row[layer]
         src = self.host.slab
         start = None
         if self.timing:
@@ -286,10 +314,11 @@ class DirectDecoder:
 
         def step(picks: torch.Tensor) -> torch.Tensor:  # reads and writes only ``bound`` besides its input
             ids = torch.empty(picks.shape, dtype=torch.int64, device=picks.device)
-            direct.fetch(src, starts, resident, picks, dst, ids, counts, tensors, usage)
+            direct.fetch_cached(src, starts, resident, picks, cache, row, ids, counts, tensors, usage)
             return ids
 
-        bound = (src, starts, resident, dst, counts, usage, *(t.out for t in tensors))
+        bound = (src, starts, resident, cache.slots, cache.owner, cache.stamp, cache.clock, cache.dst, counts, usage,
+                 *(t.out for t in tensors))
         ids = self.graphs.run(("fetch", layer), bound, step, (flat,), fresh=False)
         self.stats_.direct_calls += 1
         if start is not None:
@@ -302,8 +331,8 @@ class DirectDecoder:
         """(gpu hits, cpu hits, bytes read) of direct calls since the last reset (syncs)."""
         hits = misses = moved = 0
         for pid, counts in self._direct_counts.items():
-            h, m = counts.tolist()
-            hits, misses, moved = hits + h, misses + m, moved + m * self._direct_miss_bytes[pid]
+            h, m, c = counts.tolist()
+            hits, misses, moved = hits + h + c, misses + m, moved + m * self._direct_miss_bytes[pid]
         return hits, misses, moved
 
     def reset_direct(self) -> None:

@@ -64,6 +64,7 @@ def run(args) -> dict:
     from loader.pack import pack
     from loader.packed import read_manifest
     from tiers.cache import belady_hits, make_cache, replay
+    from tiers.engine import TierManager
     from tiers.integration import manager_of
     from tiers.trace import TraceModel, lookups
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -84,7 +85,8 @@ def run(args) -> dict:
     g = torch.Generator().manual_seed(1)
     result: dict = {"command": "python tools/bench.py " + " ".join(args.argv), "model": args.model, "shape": shape,
                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "decode_tokens": args.tokens, "prefill_tokens": args.prefill, "arms": {}}
+                    "torch": torch.__version__, "decode_tokens": args.tokens, "prefill_tokens": args.prefill, "arms": {},
+                    "direct_decode_bytes": TierManager.DECODE_BYTES}
     bar = tqdm(total=len(arms) + 2, desc="bench", unit="step")
     skew = dict(zipf_s=args.zipf, reuse_p=args.reuse, seed=0)
     result["routing"] = {"uniform": "the random-weight routers", "skewed": {**skew, "model": "tiers.trace.TraceModel via tools.routing.TraceRouting"}}
@@ -564,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
     ap.add_argument("--decode-graphs", choices=["on", "off"], default="on" if TiersConfig().gpu.decode_graphs else "off",
                     help="Tiers decode graphs (tiers.gpu.decode_graphs; default: the YAML default)")
+    ap.add_argument("--direct-decode-mib", default=None,
+                    help="Tiers: the largest expert (MiB in transfer form) direct decode reads, or 'any' "
+                         "(default: the library's TierManager.DECODE_BYTES)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
@@ -573,8 +578,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rebalance-warmup: expected a token count >= 0, got {args.rebalance_warmup}")
     if args.cold_read_gb and not 1 <= args.cold_read_rounds <= 64:  # refused now, not after the arms have run
         ap.error(f"--cold-read-rounds: expected an integer in [1, 64], got {args.cold_read_rounds}")
+    from tiers.engine import TierManager
+
+    bound = TierManager.DECODE_BYTES
+    if args.direct_decode_mib is not None:
+        try:
+            bound = None if args.direct_decode_mib == "any" else int(float(args.direct_decode_mib) * 2**20)
+        except ValueError:
+            ap.error(f"--direct-decode-mib: expected a size in MiB or 'any', got {args.direct_decode_mib!r}")
     args.argv = argv
-    result = run(args)
+    default, TierManager.DECODE_BYTES = TierManager.DECODE_BYTES, bound  # read when each arm's first decode stage builds its tables
+    try:
+        result = run(args)
+    finally:
+        TierManager.DECODE_BYTES = default
     out = Path(args.out)
     stem = f"bench-{args.model}{'-tiny' if args.tiny else ''}"
     write_result(out / f"{stem}.json", result)

@@ -156,3 +156,164 @@ def test_an_expert_fits_one_launch_up_to_its_grid():
     edge = expert((MAX_BLOCKS - 1, BLOCK), (1, 1))
     assert blocks(edge) == MAX_BLOCKS and fits(edge)
     assert not fits(expert((MAX_BLOCKS, BLOCK), (1, 1)))
+
+
+# -- the slot cache: plan decides each pick's slot on the device, fetch_planned decodes the misses --
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from quant.direct import SlotCache, fetch_cached, plan, plan_reference  # noqa: E402
+
+
+def _plan_call(cache, row, resident, picks, device, usage=None, run=plan):
+    ids = torch.full((len(picks),), -5, dtype=torch.int64, device=device)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    run(cache, row, torch.tensor(resident, dtype=torch.int32, device=device), torch.tensor(picks, dtype=torch.int64, device=device),
+        ids, counts, usage)
+    return ids.tolist(), cache.dst[: len(picks)].tolist(), counts.tolist()
+
+
+def test_plan_keeps_experts_and_evicts_the_row_that_comes_back_last(device):
+    """Worked by hand: 4 rows of 8 experts, a cache of 3 slots (10, 11, 12)."""
+    cache = SlotCache.new([10, 11, 12], rows=4, width=8, device=device)
+    none = [-1] * 8
+    # row 0: two misses take the empty lanes in order
+    assert _plan_call(cache, 0, none, [1, 2], device) == ([10, 11], [10, 11], [0, 2, 0])
+    # row 1: expert 3 takes the last empty lane; expert 1 of row 1 is not row 0's expert 1, so it
+    # evicts a row-0 lane (both come back after 3 rows), the least recently used: lane 0
+    assert _plan_call(cache, 1, none, [3, 1], device) == ([12, 10], [12, 10], [0, 2, 0])
+    assert cache.owner.tolist() == [9, 2, 11] and cache.stamp.tolist() == [3, 1, 2] and cache.clock.tolist() == [4]
+    # row 2: expert 5 is resident in slot 3; expert 2 evicts a row-1 lane (back after 4 rows, row 0's
+    # after 2), the older of the two: lane 2
+    assert _plan_call(cache, 2, none[:5] + [3] + none[6:], [2, 5], device) == ([12, 3], [12, -1], [1, 1, 0])
+    assert cache.owner.tolist() == [9, 2, 18]
+    # row 1 again: its expert 1 is still held
+    assert _plan_call(cache, 1, none, [1], device) == ([10], [-1], [0, 0, 1])
+    # row 2: expert 2 is held in lane 2, which the miss after it may not take though its row comes
+    # back last: the miss takes lane 0 (row 1, back after 3), not lane 1 (row 0, back after 2)
+    assert _plan_call(cache, 2, none, [2, 7], device) == ([12, 10], [-1, 10], [0, 1, 1])
+    assert cache.owner.tolist() == [23, 2, 18]
+    cache.clear()
+    assert cache.owner.tolist() == [-1, -1, -1] and cache.clock.tolist() == [0]
+    with pytest.raises(ValueError, match="3 picks, more than the cache's 2 slots"):
+        _plan_call(SlotCache.new([0, 1], 2, 8, device), 0, none, [1, 2, 3], device)
+    with pytest.raises(ValueError, match="row 2 outside the cache's 2 rows"):
+        _plan_call(SlotCache.new([0, 1], 2, 8, device), 2, none, [1], device)
+
+
+_CALLS = st.lists(st.tuples(st.lists(st.integers(-1, 3), min_size=6, max_size=6),  # resident slot per expert, -1: none
+                            st.lists(st.integers(0, 5), min_size=1, max_size=4)),  # picks, repeats allowed
+                  min_size=1, max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(calls=_CALLS, lanes=st.integers(4, 6), rows=st.integers(1, 4))
+def test_plan_reference_invariants(calls, lanes, rows):
+    """Random calls visiting the rows in order: each pick gets its resident slot, or the slot that
+    held its expert before the call (no decode), or one it decodes into, which then holds it; one
+    expert per slot, distinct experts of a call in distinct slots; a miss evicts an empty lane,
+    else one whose row comes back last, the least recently used among those, never a lane an
+    earlier pick of the call used; counts and usage add up."""
+    width = 6
+    slots = [20 + 2 * i for i in range(lanes)]
+    cache = SlotCache.new(slots, rows, width, "cpu")
+    usage = torch.zeros(width, dtype=torch.int64)
+    seen = 0
+    for n, (resident, picks) in enumerate(calls):
+        row = n % rows
+        before, stamps = cache.owner.tolist(), cache.stamp.tolist()
+        ids, dst, counts = _plan_call(cache, row, [20 + s if s >= 0 else -1 for s in resident], picks, "cpu", usage, plan_reference)
+        after = cache.owner.tolist()
+        assert len({c for c in after if c >= 0}) == len([c for c in after if c >= 0]), "a cell in two slots"
+        used: set[int] = set()
+        want = [0, 0, 0]
+        for j, e in enumerate(picks):
+            cell = row * width + e
+            if resident[e] >= 0:
+                assert ids[j] == 20 + resident[e] and dst[j] == -1
+                want[0] += 1
+                continue
+            lane = slots.index(ids[j])
+            assert after[lane] == cell
+            if cell in before or cell in [after[i] for i in used]:
+                assert dst[j] == -1
+                want[2] += 1
+            else:
+                assert dst[j] == ids[j] and lane not in used
+                free = [i for i in range(lanes) if i not in used]
+                empty = [i for i in free if before[i] < 0]
+                if empty:
+                    assert lane == empty[0]
+                else:
+                    back = {i: (before[i] // width - row - 1) % rows for i in free}
+                    best = min((-back[i], stamps[i]) for i in free)
+                    assert (-back[lane], stamps[lane]) == best
+                want[1] += 1
+                before[lane] = cell  # the later picks of this call see it held
+            used.add(lane)
+        assert counts == want
+        seen += len(picks)
+        assert cache.clock.tolist() == [seen]
+    assert usage.sum().item() == seen
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_fetch_cached_decodes_each_miss_once_into_the_slot_that_keeps_it(precision, device):
+    """Calls over one row: each miss's slot holds exactly the scheme's decode of its expert, a
+    pick held since an earlier call is not decoded again (its slot is left as it was), and slots
+    outside the cache are never written."""
+    shapes = [(96, 200), (200, 48)]
+    buf, starts, offsets, encoded = _buffer(precision, shapes, 6)
+    src = buf.pin_memory() if device.type == "cuda" else buf
+    scheme = quant.get_scheme(precision)
+    slabs = [torch.full((8, *s), SENTINEL, dtype=torch.bfloat16, device=device) for s in shapes]
+    data, scale = FIELDS[precision]
+    tensors = tuple(DirectTensor(slab, f[data], f.get(scale)) for slab, f in zip(slabs, offsets))
+    cache = SlotCache.new([4, 5, 6], rows=1, width=6, device=device)
+    resident = torch.tensor([-1, 0, -1, -1, -1, -1], dtype=torch.int32, device=device)
+    counts = torch.zeros(3, dtype=torch.int64, device=device)
+    starts_t = torch.tensor(starts, device=device)
+    for picks, want_ids in [([2, 1], [4, 0]), ([3, 2], [5, 4]), ([4, 5, 2], [6, 5, 4])]:
+        before = [s.clone() for s in slabs]
+        ids = torch.empty(len(picks), dtype=torch.int64, device=device)
+        fetch_cached(src, starts_t, resident, torch.tensor(picks, device=device), cache, 0, ids, counts, tensors)
+        assert ids.tolist() == want_ids
+        for j, (e, slot) in enumerate(zip(picks, ids.tolist())):
+            if e == 1:
+                continue
+            decoded_now = int(cache.dst[j]) >= 0
+            for i, (slab, shape) in enumerate(zip(slabs, shapes)):
+                q = encoded[e][i]
+                want = torch.empty(shape, dtype=torch.bfloat16, device=device)
+                scheme.dequantize(QuantizedTensor(q.scheme, q.shape, {k: v.to(device) for k, v in q.data.items()}), out=want)
+                assert torch.equal(slab[slot], want), f"expert {e} tensor {i}"
+                if not decoded_now:
+                    assert torch.equal(slab[slot], before[i][slot])
+        for slab in slabs:
+            assert torch.all(slab[[0, 1, 2, 3, 7]] == SENTINEL)
+    # expert 2: a miss, then held twice; 3, 4 and 5 misses (5 evicts 3, the least recently used lane this call left free)
+    assert counts.tolist() == [1, 4, 2]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_plan_kernel_matches_reference_call_after_call():
+    """The Triton planner against the host reference: the same slots, destinations, cache state,
+    counts and usage after every call of a long random sequence (repeats, resident picks, rows in
+    order), through the relaunched kernel after its first launches."""
+    import random
+
+    rng = random.Random(0)
+    for lanes, rows in [(4, 8), (32, 12), (3, 1)]:
+        width = 16
+        caches = {d: SlotCache.new(list(range(40, 40 + lanes)), rows, width, d) for d in ("cpu", "cuda")}
+        usage = {d: torch.zeros(width, dtype=torch.int64, device=d) for d in ("cpu", "cuda")}
+        for call in range(200):
+            row = call % rows
+            resident = [rng.choice([-1, -1, -1, rng.randrange(40)]) for _ in range(width)]
+            picks = [rng.randrange(width) for _ in range(rng.randint(1, min(lanes, 8)))]
+            got = {d: _plan_call(caches[d], row, resident, picks, d, usage[d], plan if d == "cuda" else plan_reference) for d in caches}
+            assert got["cpu"] == got["cuda"], f"lanes {lanes} call {call}"
+            for name in ("owner", "stamp", "clock"):
+                assert torch.equal(getattr(caches["cpu"], name), getattr(caches["cuda"], name).cpu()), f"{name} call {call}"
+        assert torch.equal(usage["cpu"], usage["cuda"].cpu())

@@ -20,7 +20,8 @@ from tiers.residency import Home, Op
 
 from test_end_to_end import GEN, assert_decode_logits, prompt
 
-# a few experts hot per layer, every other one warm in bf16; 8 staging slots, 4 reserved for direct misses
+# a few experts hot per layer, every other one warm in bf16; 8 staging slots, all reserved for direct misses
+# (every layer qualifies)
 DIRECT_BF16 = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
 
 
@@ -71,7 +72,7 @@ def test_direct_decode_matches_untiered_decode(model_type, device, checkpoint_fa
     model, mgr = _load(packed_factory(model_type), DIRECT_BF16, device)
     calls = _count_direct(monkeypatch, mgr)
     layers = len(mgr.manifest.layers)
-    ids = prompt(device)  # 2 sequences x top-2: 4 picks per call, as many as the reserved slots
+    ids = prompt(device)  # 2 sequences x top-2: 4 picks per call, half the reserved slots
     a = ref.generate(ids, **GEN)
     mgr.reset_stats()
     b = model.generate(ids, **GEN)
@@ -96,20 +97,64 @@ def test_direct_decode_matches_untiered_decode(model_type, device, checkpoint_fa
     assert_decode_logits(a, c, device)
 
 
-def test_direct_counts_resident_and_read_picks(device, checkpoint_factory, packed_factory, monkeypatch):
-    """Each direct call's picks: resident (hot) ones count as gpu hits, the others as cpu hits
-    that moved one blob each; checked against the routing the calls saw."""
+def _cache_model(calls, lanes: int, rows: int, row_of, pinned) -> tuple[int, int, int]:
+    """(resident, decoded, cached) picks of ``calls`` [(layer, experts)] through a cache of
+    ``lanes`` slots by the victim rule of ``quant.direct.plan``, written out here on its own:
+    an empty lane, else the lane whose expert's row comes back last, then the least recently used."""
+    held: list = [None] * lanes  # (row, expert) per lane
+    last = [0] * lanes
+    n, clock = [0, 0, 0], 0
+    for layer, experts in calls:
+        row, used = row_of[layer], set()
+        for e in experts:
+            clock += 1
+            if pinned(layer, e):
+                n[0] += 1
+                continue
+            if (row, e) in held:
+                i = held.index((row, e))
+                n[2] += 1
+            else:
+                free = [i for i in range(lanes) if i not in used]
+                empty = [i for i in free if held[i] is None]
+                if empty:
+                    i = empty[0]
+                else:
+                    back = {i: (held[i][0] - row - 1) % rows for i in free}
+                    far = max(back.values())
+                    i = min((i for i in free if back[i] == far), key=lambda i: last[i])
+                held[i] = (row, e)
+                n[1] += 1
+            last[i] = clock
+            used.add(i)
+    return tuple(n)
+
+
+def test_direct_counts_resident_decoded_and_cached_picks(device, checkpoint_factory, packed_factory, monkeypatch):
+    """Each direct call's picks: resident (hot) ones and those the reserved slots still hold count
+    as gpu hits, the others as cpu hits that moved one blob each; checked against the routing the
+    calls saw, through a model of the slot cache written in the test."""
     model, mgr = _load(packed_factory("mixtral"), DIRECT_BF16, device)
-    seen = []
+    seen, lanes = [], set()
     fetch = mgr.fetch_direct
-    monkeypatch.setattr(mgr, "fetch_direct", lambda layer, idx: seen.append((layer, idx.reshape(-1).tolist())) or fetch(layer, idx))
+
+    def spy(layer, idx):
+        seen.append((layer, idx.reshape(-1).tolist()))
+        lanes.add(len(mgr._reserved[id(mgr.pool_of[layer])].slots))
+        return fetch(layer, idx)
+
+    monkeypatch.setattr(mgr, "fetch_direct", spy)
     model.generate(prompt(device), **GEN)
     mgr.reset_stats()
     seen.clear()
     model.generate(prompt(device, batch=1), **GEN)
     d_gpu, d_cpu, d_bytes = mgr.direct_served()
-    hot = sum(mgr.table[ExpertKey(L, e)].pinned for L, picks in seen for e in picks)
-    assert (d_gpu, d_cpu) == (hot, sum(len(p) for _, p in seen) - hot)
+    grid = mgr.table.grid
+    (lane_count,) = lanes
+    assert lane_count == 8, "every layer runs direct: all 8 staging slots are reserved"
+    hot, decoded, cached = _cache_model(seen, lane_count, len(grid.layers), grid.row, lambda L, e: mgr.table[ExpertKey(L, e)].pinned)
+    assert cached > 0, "the reserved slots kept nothing across steps"
+    assert (d_gpu, d_cpu) == (hot + cached, decoded)
     assert d_bytes == d_cpu * mgr.manifest.layers[0].blobs["bf16"].nbytes
 
 
@@ -132,7 +177,7 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
     if case == "cold":
         cfg["tiers"]["cpu"] = {"fraction": 0.2, "precision": "bf16"}  # some experts of every layer on disk
     if case == "too_many_picks":
-        batch = 3  # 6 picks per call, 4 reserved slots
+        batch = 5  # 10 picks per call, 8 reserved slots: the first call gives them back
     if case == "decode_bytes":
         from tiers.engine import TierManager
 
@@ -150,6 +195,7 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
     ids = prompt(device, batch=batch)
     a, b = ref.generate(ids, **GEN), model.generate(ids, **GEN)
     assert calls == []
+    assert not mgr._reserved and all(r == 0 for p in mgr.pools for r in p.readers)
     assert torch.equal(a.sequences, b.sequences)
     assert_decode_logits(a, b, device)
 
@@ -356,8 +402,9 @@ def direct_manager(packed_factory):
 def test_decode_stages_keep_slot_ownership(direct_manager, ops):
     """Random decode stages, direct calls, host-routed calls and prefetches: while a stage runs its
     reserved slots are held once, empty of owners, never handed to the host-routed path or the
-    prefetcher; each direct call leaves every missed pick's reserved slot holding exactly its
-    decoded blob and every hit pointing at its hot slot; after a stage nothing is held."""
+    prefetcher; each direct call leaves every pick that is not hot in a reserved slot holding
+    exactly its decoded blob (distinct picks in distinct slots) and every hot pick pointing at its
+    hot slot; after a stage nothing is held."""
     from test_integrity import decoded
 
     mgr, packed = direct_manager
@@ -374,14 +421,23 @@ def test_decode_stages_keep_slot_ownership(direct_manager, ops):
             ids = mgr.fetch_direct(layer, idx)[0].tolist()
             reserved = mgr._reserved[id(mgr.pool_of[layer])].slots
             pool = mgr.pool_of[layer]
-            for j, (e, slot) in enumerate(zip(experts, ids)):
+            assert len(set(ids)) == len(ids), "two picks of a call share a slot"
+            for e, slot in zip(experts, ids):
                 r = mgr.table[ExpertKey(layer, e)]
                 if r.pinned:
                     assert slot == r.slot
                 else:
-                    assert slot == reserved[j]
+                    assert slot in reserved
                     want = decoded(packed, ExpertKey(layer, e), "int8")
                     assert all(torch.equal(pool.tensors(slot)[n], want[n]) for n in want)
+            # the slot cache: one expert per lane, each non-hot pick's lane naming its cell
+            cache = mgr._reserved[id(pool)].cache
+            owners = [c for c in cache.owner.tolist() if c >= 0]
+            assert len(owners) == len(set(owners)), "an expert in two reserved slots"
+            row = mgr.table.grid.row[layer] * cache.width
+            for e, slot in zip(experts, ids):
+                if not mgr.table[ExpertKey(layer, e)].pinned:
+                    assert cache.owner[cache.slots.tolist().index(slot)] == row + e
         elif op == "acquire":
             held = mgr.acquire_layer(layer, sorted(experts))
             if held is not None:

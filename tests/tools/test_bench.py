@@ -12,10 +12,16 @@ from tools import bench
 
 
 def test_tiny_bench_runs_and_reports(tmp_path):
-    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu",
+    from tiers.engine import TierManager
+
+    default = TierManager.DECODE_BYTES
+    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--direct-decode-mib", "any",
                      "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8,tiers_0_int8", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
+    assert r["direct_decode_bytes"] is None and TierManager.DECODE_BYTES == default, "the bound is the run's alone"
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--direct-decode-mib", "lots", "--out", str(tmp_path)])
     assert set(r["arms"]) == {"all_gpu", "lazy", "tiers_100_bf16", "tiers_25_int8", "tiers_0_int8", "all_gpu/end"}
     assert r["arms"]["tiers_0_int8"]["residency"]["gpu"]["experts"] == 0  # staging slots only, like the lazy arm
     assert not (tmp_path / "bench-mixtral.partial.json").exists()
