@@ -38,8 +38,8 @@ Variants, to find where an arm's host time goes (each ``~name`` before the ``@``
   which shortens how long the serving thread can wait for the GIL behind another thread.
 - ``~nograph``: decode graphs off (``tiers.gpu.decode_graphs: false``): every experts call
   launches its kernels one by one from Python.
-- ``~largedirect``: direct decode for experts of any size (``DirectDecoder.DECODE_BYTES`` unbounded;
-  by default experts above 32 MiB in transfer form keep the host-routed path).
+- ``~largedirect``: direct decode for experts of any size (``DirectDecoder.DECODE_BYTES`` unbounded,
+  as it is by default now; it was 32 MiB in transfer form when this variant was added).
 
 ``--rebalance-warmup N``: ``@skewed`` arms with the rebalancer generate N more tokens before
 timing (as ``tools/bench.py``), so the timed tokens see a settled hot set.

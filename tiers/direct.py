@@ -16,8 +16,7 @@ its expert ids. Nothing syncs, so the host queues the next layers while the GPU 
 
 A layer qualifies when each of its experts is hot or warm (none on disk: the GPU cannot read a
 file) in a precision ``quant.direct`` decodes, its experts are at most ``DECODE_BYTES`` in
-transfer form (32 MiB: larger ones keep the copy engine and the staging cache, see
-``DECODE_BYTES``), and no routing trace is being recorded. With the rebalancer on, direct calls count their picks per
+transfer form (unbounded by default), and no routing trace is being recorded. With the rebalancer on, direct calls count their picks per
 expert on the device; the rebalancer takes those counts (one sync) when an interval closes,
 and when its swaps land the tables are rebuilt and the compute stream waits for the copies
 into the promoted experts' hot slots. Other layers keep the host-routed path, in the
@@ -68,13 +67,12 @@ class _Reserved:
 class DirectDecoder:
     """Mixed into ``TierManager``: uses its table, pools, host pool, streams and stats."""
 
-    # The largest transfer form direct decode reads (None: any size one launch holds). Larger
-    # experts keep the host-routed path: read directly, Mixtral-8x7B's (168 MiB in INT8) met the
-    # decode target in every bench arm, but its misses are not cached across steps and the SMs
-    # read 5% slower than the copy engine: 2-36% more bytes per token, and in 7 of its 8 offloaded
-    # arms more overhead per token (up to 8.6 ms) than the host-routed path's in the run before
-    # (bench/results/bench-mixtral-direct-large.md against bench-mixtral-run30.md).
-    DECODE_BYTES: int | None = 32 << 20
+    # The largest transfer form direct decode reads (None: any size one launch holds). Unbounded
+    # since the reserved slots cache their misses: Mixtral-8x7B's 168 MiB INT8 experts, read this
+    # way, took 18.1 ms per 6-layer token against the host-routed path's 21.1 in one run
+    # (bench/results/decode_split-mixtral-slotcache.json); without the cache they had moved 36%
+    # more bytes and taken 24.3 against 19.3 (decode_split-mixtral.json).
+    DECODE_BYTES: int | None = None
 
     def _init_direct(self, enabled: bool) -> None:
         # on by config, on a GPU with Triton and a pinned pool (tests switch them on for the CPU reference)
