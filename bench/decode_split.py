@@ -40,6 +40,8 @@ Variants, to find where an arm's host time goes (each ``~name`` before the ``@``
   launches its kernels one by one from Python.
 - ``~largedirect``: direct decode for experts of any size (``DirectDecoder.DECODE_BYTES`` unbounded,
   as it is by default now; it was 32 MiB in transfer form when this variant was added).
+- ``~hostlarge``: the former bound: experts above 32 MiB in transfer form (Mixtral-8x7B's) keep
+  the host-routed path in decode.
 
 ``--rebalance-warmup N``: ``@skewed`` arms with the rebalancer generate N more tokens before
 timing (as ``tools/bench.py``), so the timed tokens see a settled hot set.
@@ -131,7 +133,7 @@ class Clock:
                    "token_ms_all": [round(r["token_ms"], 3) for r in rows]})
 
 
-VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect")
+VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect", "hostlarge")
 
 
 @contextlib.contextmanager
@@ -287,6 +289,8 @@ def main() -> int:
         bound = TierManager.DECODE_BYTES
         if "largedirect" in variants:
             TierManager.DECODE_BYTES = None  # read when the first decode stage builds the direct tables
+        if "hostlarge" in variants:
+            TierManager.DECODE_BYTES = 32 << 20
         try:
             m = tiers.load(packed, cfg, device=device, progress=False)
             measure(name, m, variants)
