@@ -42,6 +42,8 @@ Variants, to find where an arm's host time goes (each ``~name`` before the ``@``
   as it is by default now; it was 32 MiB in transfer form when this variant was added).
 - ``~hostlarge``: the former bound: experts above 32 MiB in transfer form (Mixtral-8x7B's) keep
   the host-routed path in decode.
+- ``~alwaysdirect``: every decode stage direct (``DirectDecoder.DIRECT_MISS_BYTES`` unbounded: no
+  stage gives way to the host-routed path however many bytes its calls miss).
 
 ``--rebalance-warmup N``: ``@skewed`` arms with the rebalancer generate N more tokens before
 timing (as ``tools/bench.py``), so the timed tokens see a settled hot set.
@@ -133,7 +135,7 @@ class Clock:
                    "token_ms_all": [round(r["token_ms"], 3) for r in rows]})
 
 
-VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect", "hostlarge")
+VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect", "hostlarge", "alwaysdirect")
 
 
 @contextlib.contextmanager
@@ -268,6 +270,10 @@ def main() -> int:
             row["cprofile_top"] = top_functions(prof, args.cprofile, args.tokens - 1)
         # per decode token (the prompt's forward runs none of these: direct decode is decode only)
         row |= {f"host_{k}_ms": v / (args.reps * (args.tokens - 1)) for k, v in steps.ms.items()}
+        if name.startswith("tiers_"):
+            mgr = manager_of(m)  # which path the last stage took, and the mean it chose the next by
+            row["host_routed_pools"] = len(mgr.host_routed_pools)
+            row["decode_miss_mib_per_call"] = {str(i): b / 2**20 for i, b in enumerate(mgr.decode_miss_bytes.values())}
         result["arms"][name] = row
         print(name, json.dumps({k: round(v, 3) for k, v in row.items() if isinstance(v, float)}), flush=True)
 
@@ -286,7 +292,9 @@ def main() -> int:
                          "cpu": {"budget": expert_bytes, "precision": precision, "direct_reads": not nodirect},
                          "nvme": nvme,
                          "rebalance": {"every_tokens": (1 << 30) if every and "idle" in variants else every}}}
-        bound = TierManager.DECODE_BYTES
+        bound, miss_bound = TierManager.DECODE_BYTES, TierManager.DIRECT_MISS_BYTES
+        if "alwaysdirect" in variants:
+            TierManager.DIRECT_MISS_BYTES = float("inf")
         if "largedirect" in variants:
             TierManager.DECODE_BYTES = None  # read when the first decode stage builds the direct tables
         if "hostlarge" in variants:
@@ -295,7 +303,7 @@ def main() -> int:
             m = tiers.load(packed, cfg, device=device, progress=False)
             measure(name, m, variants)
         finally:
-            TierManager.DECODE_BYTES = bound
+            TierManager.DECODE_BYTES, TierManager.DIRECT_MISS_BYTES = bound, miss_bound
         manager_of(m).close()
         del m
     write_result(args.out, result)

@@ -73,6 +73,14 @@ class DirectDecoder:
     # (bench/results/decode_split-mixtral-slotcache.json); without the cache they had moved 36%
     # more bytes and taken 24.3 against 19.3 (decode_split-mixtral.json).
     DECODE_BYTES: int | None = None
+    # Where the host-routed path stages with the copy engine (experts above STACK_BYTES), a decode
+    # stage runs direct only while the pool's decode layer calls missed fewer bytes than this on
+    # average in the last stage that made any (the first runs direct). Read by the SMs, Mixtral's
+    # 168 MiB experts cost more device time than copied: in one run the host-routed path was
+    # 6-12% faster per token in arms that missed 1.2-1.7 experts per layer call, direct 14% faster
+    # in the one that missed 0.46 (bench/results/decode_split-mixtral-hostlarge.json,
+    # -slotcache.json; the misses per call from bench-mixtral-run32.md's hit rates).
+    DIRECT_MISS_BYTES = 128 << 20
 
     def _init_direct(self, enabled: bool) -> None:
         # on by config, on a GPU with Triton and a pinned pool (tests switch them on for the CPU reference)
@@ -103,6 +111,14 @@ class DirectDecoder:
         # interval), laid out as the residency table's grid: one row per layer
         grid = self.table.grid
         self._usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=self.device) if self.rebalancer else None
+        # the decode stage's layer calls and the bytes their misses read, per pool: host-routed ones
+        # counted as they stage, direct ones from the device counters (read when the stage ends);
+        # the last stage's mean per call decides the next stage's path (``DIRECT_MISS_BYTES``)
+        self._stage_calls: dict[int, int] = {}
+        self._stage_bytes: dict[int, int] = {}
+        self._stage_counts: dict[int, torch.Tensor] = {}  # pool id -> the device counters at the stage's start
+        self.decode_miss_bytes: dict[int, float] = {}  # pool id -> the last stage's mean miss bytes per layer call
+        self.host_routed_pools: set[int] = set()  # pools this stage keeps off direct decode
 
     def direct_tensors(self, pool: Any, blob: Any) -> direct.DirectExpert | None:
         """How ``quant.direct`` decodes ``blob`` into ``pool``'s slabs; None when the GPU cannot
@@ -235,7 +251,14 @@ class DirectDecoder:
         self.drain()  # read-aheads hold slots until they land
         compute = self.streams.current()
         grid = self.table.grid
+        self._stage_calls.clear()
+        self._stage_bytes.clear()
+        self.host_routed_pools = {pid for pid, mean in self.decode_miss_bytes.items()
+                                  if mean >= self.DIRECT_MISS_BYTES and self._direct_miss_bytes.get(pid, 0) > self.STACK_BYTES}
         for pool in {id(d.pool): d.pool for d in self._direct_layers.values()}.values():
+            if id(pool) in self.host_routed_pools:
+                continue
+            self._stage_counts[id(pool)] = self._direct_counts[id(pool)].clone()
             staging = pool.n_slots - self.hot_count[id(pool)]
             every = all(L in self._direct_layers for L in self.manifest.layers if self.pool_of[L] is pool and L not in self.static_maps)
             n = staging if every else staging // 2
@@ -252,9 +275,28 @@ class DirectDecoder:
             self._reserved[id(pool)] = _Reserved(slots, cache, every and n == staging)
 
     def end_decode(self) -> None:
-        """The decode stage ended: the reserved slots go back, read last by what is queued now."""
+        """The decode stage ended: the reserved slots go back, read last by what is queued now, and
+        each pool's mean miss bytes per decode layer call are kept for the next stage's choice
+        (one sync, for the direct calls' device counters)."""
         for pool in self.pools:
             self._release(pool)
+        for pid, before in self._stage_counts.items():
+            decoded = int(self._direct_counts[pid][1] - before[1])
+            self._stage_bytes[pid] = self._stage_bytes.get(pid, 0) + max(decoded, 0) * self._direct_miss_bytes[pid]
+        self._stage_counts.clear()
+        for pid, calls in self._stage_calls.items():
+            if calls:
+                self.decode_miss_bytes[pid] = self._stage_bytes.get(pid, 0) / calls
+        self._stage_calls.clear()
+        self._stage_bytes.clear()
+
+    def note_decode_call(self, pool: Any, nbytes: int = 0) -> None:
+        """Count a decode-stage layer call of ``pool`` (``nbytes`` 0), or bytes its misses read."""
+        pid = id(pool)
+        if nbytes:
+            self._stage_bytes[pid] = self._stage_bytes.get(pid, 0) + nbytes
+        else:
+            self._stage_calls[pid] = self._stage_calls.get(pid, 0) + 1
 
     def _release(self, pool: Any) -> None:
         """``pool``'s reserved slots (if any) go back to the host-routed path, read last by what is
@@ -319,6 +361,7 @@ class DirectDecoder:
                  *(t.out for t in tensors))
         ids = self.graphs.run(("fetch", layer), bound, step, (flat,), fresh=False)
         self.stats_.direct_calls += 1
+        self.note_decode_call(d.pool)
         if start is not None:
             end = self.streams.event(timing=True)
             end.record(self.streams.current())
@@ -335,4 +378,6 @@ class DirectDecoder:
 
     def reset_direct(self) -> None:
         for c in self._direct_counts.values():
+            c.zero_()
+        for c in self._stage_counts.values():  # a stage running: its start moves with the counters
             c.zero_()

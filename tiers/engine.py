@@ -363,6 +363,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         ``noted``: the call was already noted there, by a direct call that fell back)."""
         keys = [ExpertKey(layer, e) for e in experts]
         self.cache[id(self.pool_of[layer])].visit(layer, keys)
+        if self.decoding:
+            self.note_decode_call(self.pool_of[layer])
         if self.rebalancer is not None:
             self.rebalancer.note_call(layer, keys, tokens, first=layer == self.first_layer and not noted)
 
@@ -523,6 +525,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
         if source == "nvme":
             b.rings.append((id(pool), slot))
+        if self.decoding:
+            self.note_decode_call(pool, src.numel())
         self._count_read(source, src.numel(), t0)
 
     def _reads_direct(self, pool: SlotPool, blob: Any, direct: bool) -> bool:

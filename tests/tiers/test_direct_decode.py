@@ -200,6 +200,55 @@ def test_direct_decode_falls_back_to_host_routing(case, device, checkpoint_facto
     assert_decode_logits(a, b, device)
 
 
+@pytest.mark.parametrize("large", [True, False])
+def test_decode_stages_choose_their_path_by_the_last_stages_miss_bytes(large, device, checkpoint_factory, packed_factory, monkeypatch):
+    """Experts the host-routed path would copy (above ``STACK_BYTES``): a stage whose layer calls
+    missed ``DIRECT_MISS_BYTES`` or more on average sends the next stage host-routed, and one that
+    missed less sends it back direct; the mean is the stage's miss bytes over its decode layer
+    calls, whichever path served them. Small experts (direct stacks) stay direct. Every stage
+    matches the untiered model."""
+    from tiers.engine import TierManager
+
+    if large:
+        monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)
+    monkeypatch.setattr(TierManager, "DIRECT_MISS_BYTES", 1)  # any miss: host-routed next
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
+    ref.set_experts_implementation("grouped_mm")
+    model, mgr = _load(packed_factory("mixtral"), DIRECT_BF16, device)
+    calls = _count_direct(monkeypatch, mgr)
+    reads, begun = [], []
+    count_read, begin_call = mgr._count_read, mgr.begin_call
+    monkeypatch.setattr(mgr, "_count_read", lambda source, n, t0: reads.append((mgr.decoding, n)) or count_read(source, n, t0))
+    monkeypatch.setattr(mgr, "begin_call", lambda *a, **k: begun.append(mgr.decoding) or begin_call(*a, **k))
+    (pid,) = {id(p) for p in mgr.pools}
+    layers, steps = len(mgr.manifest.layers), GEN["max_new_tokens"] - 1
+    ids = prompt(device, batch=1)
+    a = ref.generate(ids, **GEN)
+
+    def generate():
+        calls.clear(), reads.clear(), begun.clear()
+        mgr.reset_stats()
+        b = model.generate(ids, **GEN)
+        assert torch.equal(a.sequences, b.sequences)
+        assert_decode_logits(a, b, device)
+
+    generate()  # the first stage runs direct
+    assert len(calls) == layers * steps and not any(begun)
+    _, _, moved = mgr.direct_served()
+    assert moved > 0 and mgr.decode_miss_bytes[pid] == moved / (layers * steps)
+    generate()
+    if not large:  # read by direct stacks either way: direct stays
+        assert len(calls) == layers * steps and not mgr.host_routed_pools
+        return
+    assert calls == [] and mgr.host_routed_pools == {pid}
+    decode_bytes = sum(n for decoding, n in reads if decoding)
+    assert sum(begun) == layers * steps and decode_bytes > 0
+    assert mgr.decode_miss_bytes[pid] == decode_bytes / (layers * steps)
+    monkeypatch.setattr(TierManager, "DIRECT_MISS_BYTES", decode_bytes)  # the last stage's mean is below it: direct again
+    generate()
+    assert len(calls) == layers * steps and not mgr.host_routed_pools
+
+
 def test_large_experts_decode_direct_when_unbounded_exactly_without_stacks(device, checkpoint_factory, packed_factory, monkeypatch):
     """With ``DECODE_BYTES`` unbounded, experts above ``STACK_BYTES`` (as Mixtral-8x7B's in the
     bench) decode direct, each miss's slot holding exactly its blob, and the logits match the
