@@ -162,7 +162,7 @@ def plan(cache: SlotCache, row: int, resident: torch.Tensor, picks: torch.Tensor
     plan_reference(cache, row, resident, picks, ids, counts, usage)
 
 
-def victim(owner: list[int], stamp: list[int], used: set[int], row: int, rows: int, width: int) -> int:
+def _victim(owner: list[int], stamp: list[int], used: set[int], row: int, rows: int, width: int) -> int:
     """The cache lane a miss takes (the module docstring's rule): an empty one, else the one whose
     row comes back last after ``row``, then the least recently used, then the first."""
     def key(i: int) -> tuple[int, int, int]:
@@ -190,7 +190,7 @@ def plan_reference(cache: SlotCache, row: int, resident: torch.Tensor, picks: to
                 i = owner.index(cell)
                 n[2] += 1
             else:
-                i = victim(owner, stamp, used, row, cache.rows, cache.width)
+                i = _victim(owner, stamp, used, row, cache.rows, cache.width)
                 owner[i] = cell
                 out_dst[j] = slots[i]
                 n[1] += 1

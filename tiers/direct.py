@@ -16,7 +16,11 @@ its expert ids. Nothing syncs, so the host queues the next layers while the GPU 
 
 A layer qualifies when each of its experts is hot or warm (none on disk: the GPU cannot read a
 file) in a precision ``quant.direct`` decodes, its experts are at most ``DECODE_BYTES`` in
-transfer form (unbounded by default), and no routing trace is being recorded. With the rebalancer on, direct calls count their picks per
+transfer form (unbounded by default), and no routing trace is being recorded. Where the
+host-routed path would copy the pool's experts with the copy engine (above ``STACK_BYTES``), a
+stage runs direct only while the last stage's layer calls missed fewer than
+``DIRECT_MISS_BYTES`` on average: the copy engine reads faster than the SMs, which wins when
+most calls miss. With the rebalancer on, direct calls count their picks per
 expert on the device; the rebalancer takes those counts (one sync) when an interval closes,
 and when its swaps land the tables are rebuilt and the compute stream waits for the copies
 into the promoted experts' hot slots. Other layers keep the host-routed path, in the
@@ -272,7 +276,7 @@ class DirectDecoder:
             if cache is None:  # the same slots get the same cache each decode stage: the decode graphs keep it
                 cache = self._slot_caches[(id(pool), tuple(slots))] = direct.SlotCache.new(slots, len(grid.layers), grid.width, self.device)
             cache.clear()  # the slots' contents are the host-routed path's leftovers
-            self._reserved[id(pool)] = _Reserved(slots, cache, every and n == staging)
+            self._reserved[id(pool)] = _Reserved(slots, cache, every)
 
     def end_decode(self) -> None:
         """The decode stage ended: the reserved slots go back, read last by what is queued now, and
