@@ -255,8 +255,6 @@ class DirectDecoder:
         self.drain()  # read-aheads hold slots until they land
         compute = self.streams.current()
         grid = self.table.grid
-        self._stage_calls.clear()
-        self._stage_bytes.clear()
         self.host_routed_pools = {pid for pid, mean in self.decode_miss_bytes.items()
                                   if mean >= self.DIRECT_MISS_BYTES and self._direct_miss_bytes.get(pid, 0) > self.STACK_BYTES}
         for pool in {id(d.pool): d.pool for d in self._direct_layers.values()}.values():
@@ -294,13 +292,13 @@ class DirectDecoder:
         self._stage_calls.clear()
         self._stage_bytes.clear()
 
-    def note_decode_call(self, pool: Any, nbytes: int = 0) -> None:
-        """Count a decode-stage layer call of ``pool`` (``nbytes`` 0), or bytes its misses read."""
-        pid = id(pool)
-        if nbytes:
-            self._stage_bytes[pid] = self._stage_bytes.get(pid, 0) + nbytes
-        else:
-            self._stage_calls[pid] = self._stage_calls.get(pid, 0) + 1
+    def note_decode_call(self, pool: Any) -> None:
+        """Count a decode-stage layer call of ``pool``."""
+        self._stage_calls[id(pool)] = self._stage_calls.get(id(pool), 0) + 1
+
+    def note_decode_read(self, pool: Any, nbytes: int) -> None:
+        """Count ``nbytes`` that a decode-stage call of ``pool`` read for its misses (host-routed)."""
+        self._stage_bytes[id(pool)] = self._stage_bytes.get(id(pool), 0) + nbytes
 
     def _release(self, pool: Any) -> None:
         """``pool``'s reserved slots (if any) go back to the host-routed path, read last by what is

@@ -526,7 +526,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         if source == "nvme":
             b.rings.append((id(pool), slot))
         if self.decoding:
-            self.note_decode_call(pool, src.numel())
+            self.note_decode_read(pool, src.numel())
         self._count_read(source, src.numel(), t0)
 
     def _reads_direct(self, pool: SlotPool, blob: Any, direct: bool) -> bool:
