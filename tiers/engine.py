@@ -214,6 +214,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         )
         self.pending: dict[tuple[int, int], tuple[Future, ExpertKey, str, torch.Tensor, SlotPool]] = {}
         self.predicted: dict[int, set[int]] = {}  # layer -> experts predicted for its next call
+        self.ranked: dict[int, list[int]] = {}  # layer -> the same, most votes first (the read-ahead's order)
 
         # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
         self.pool_of: dict[int, SlotPool] = {}

@@ -61,7 +61,7 @@ class LayerBinding:
     lookahead: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
-WHOLE_LAYER = 0.9  # predicted share of a layer's experts above which its whole layer is staged, in order
+WHOLE_LAYER = 0.9  # predicted share of a layer's experts above which its unnamed ones are predicted too (after the named)
 
 
 def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> tuple[list[int], list[int], list[int] | None]:
@@ -81,7 +81,8 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     k = top_k_index.shape[-1]
     for i, (_, weight) in enumerate(binding.lookahead):
         logits = hidden_states.to(weight.dtype) @ weight.t()  # [T, E'] the next layer's router on this layer's input
-        ahead[i, : weight.shape[0]].index_fill_(0, torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1), 1)
+        picked = torch.topk(logits, min(k, weight.shape[0]), dim=-1).indices.reshape(-1)  # [T*k']
+        ahead[i, : weight.shape[0]].index_add_(0, picked, torch.ones_like(picked, dtype=torch.int32))  # votes per expert
     # One device-to-host sync: the dynamic schedule needs the routed experts on the host to stage misses.
     if host_picks:
         values = torch.cat([flat.to(torch.int32), flags.reshape(-1)]).tolist() if d else flat.tolist()
@@ -99,9 +100,12 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     mgr = binding.manager
     mgr.note_used(binding.layer, hit)
     for (layer, weight), row in zip(binding.lookahead, rows):
-        predicted = [e for e, used in enumerate(row[: weight.shape[0]]) if used]
+        votes = row[: weight.shape[0]]
+        # most votes first: a long call's tokens name most of the next layer's experts, and the
+        # read-ahead's slots take only the first few
+        predicted = sorted((e for e, v in enumerate(votes) if v), key=lambda e: -votes[e])
         if len(predicted) >= WHOLE_LAYER * weight.shape[0]:
-            predicted = list(range(weight.shape[0]))
+            predicted += [e for e, v in enumerate(votes) if not v]
         mgr.note_prediction(layer, predicted)
     return hit, counts, picks
 
@@ -112,9 +116,9 @@ def _prefetch(binding: LayerBinding, limit: int | None = None, direct: bool = Tr
     the copy engine, ``direct=False``, as the call's own reads)."""
     mgr = binding.manager
     for layer, _ in binding.lookahead:
-        predicted = mgr.predicted.get(layer)
-        if predicted and layer not in mgr.static_maps:
-            mgr.prefetch(layer, sorted(predicted), limit, direct)
+        ranked = mgr.ranked.get(layer)
+        if ranked and layer not in mgr.static_maps:
+            mgr.prefetch(layer, ranked, limit, direct)
 
 
 def tiers_experts_forward(

@@ -95,7 +95,10 @@ class Prefetcher:
                     self._complete(ring_key)
 
     def note_prediction(self, layer: int, experts: list[int]) -> None:
+        """The experts predicted for ``layer``'s next call, the likeliest first (the order a
+        read-ahead stages them in)."""
         self.predicted[layer] = set(experts)
+        self.ranked[layer] = list(experts)
 
     def note_used(self, layer: int, experts: list[int]) -> None:
         """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""

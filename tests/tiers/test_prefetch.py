@@ -186,3 +186,33 @@ def test_zero_reader_threads_reads_synchronously(packed_factory):
     cold = [k for k in mgr.placement.cold if k.layer == 0][:1]
     assert mgr.prefetch(0, [cold[0].expert]) == 1
     assert not mgr.pending and mgr.stats().prefetch["async_reads"] == 0
+
+
+def test_route_ranks_the_next_layers_experts_by_votes(packed_factory):
+    """Speculative routing counts, per expert of the next layer, the tokens whose top-k names it;
+    the read-ahead takes the most named first (ties by id), and a prediction naming most of the
+    layer lists the unnamed experts after the named ones."""
+    from types import SimpleNamespace
+
+    from tiers.integration import WHOLE_LAYER, LayerBinding, _route
+
+    mgr = _manager(packed_factory("mixtral"))
+    E, H, k, T = 8, 16, 2, 24
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(E, H, generator=g)
+    hidden = torch.randn(T, H, generator=g)
+    binding = LayerBinding(0, mgr, lookahead=((1, weight),))
+    module = SimpleNamespace(num_experts=E)
+    top_k_index = torch.randint(0, E, (T, k), generator=g)
+    _route(module, binding, hidden, top_k_index)
+    picks = torch.topk(hidden @ weight.t(), k, dim=-1).indices.reshape(-1).tolist()
+    votes = [picks.count(e) for e in range(E)]
+    expected = sorted((e for e in range(E) if votes[e]), key=lambda e: (-votes[e], e))
+    if len(expected) >= WHOLE_LAYER * E:
+        expected += [e for e in range(E) if not votes[e]]
+    assert mgr.ranked[1] == expected and mgr.predicted[1] == set(expected)
+    assert len(set(votes)) > 2  # the votes differ, so the order is not the ids'
+    # the read-ahead stages in that order: the first free slots go to the most named experts
+    staged = mgr.prefetch(1, mgr.ranked[1], limit=2)
+    want = [e for e in expected if mgr.table[ExpertKey(1, e)].slot is None or ExpertKey(1, e) in mgr.prefetched]
+    assert staged == 2 and [key.expert for key in mgr.prefetched] == want[:2]
