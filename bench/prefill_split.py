@@ -48,6 +48,11 @@ stacked dequantizations, the grouped GEMMs' launches, read-aheads.
 Totals per prefill: ``device_ms`` (first layer to last experts call on the device), ``copy_ms`` and
 ``copy_busy`` (the copy stream's share of ``device_ms``), and ``boundary_ms``/``copy_gaps_ms`` summed
 over layers, so ``device_ms`` ≈ copies + gaps + boundaries + the first layer's lead + the last tail.
+
+The untiered model's kernel time, under the profiler (``all_gpu.kernels``): in its experts calls and
+outside them. Per config, ``dependency_bound_s``: the kernels outside the experts calls plus the
+moved bytes at 55 GB/s, the least a prefill whose calls wait for their routing can take, and
+``over_dependency_bound``.
 """
 import os
 import sys
@@ -161,6 +166,55 @@ def hook_layers(model, marks: Marks) -> list:
         undo.append(experts.register_forward_pre_hook(lambda m, a, i=i: marks.mark("experts", i)).remove)
         undo.append(experts.register_forward_hook(lambda m, a, o, i=i: marks.mark("experts_end", i)).remove)
     return undo
+
+
+def kernel_split(model, ids: torch.Tensor, cuda: bool) -> dict:
+    """The untiered model's kernel time in one prefill under the profiler, in its experts calls
+    and outside them (ms, summed over kernels, so the host's launch gaps are not in it; on the CPU,
+    where ops run as they are called, their CPU time instead), and how many experts calls it saw.
+
+    Why: a call that waits for its routing cannot read its layer's experts before that layer's
+    attention and router have run, and the next layer cannot start before those reads land, so no
+    schedule that reads only the routed experts, without predicting them, runs a prefill faster
+    than the kernels outside the experts calls plus the reads (``dependency_bound_s``)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    open_ranges: list = []
+
+    def enter(m, a):
+        r = record_function("prefill_split.experts")
+        r.__enter__()
+        open_ranges.append(r)
+
+    def leave(m, a, o):
+        open_ranges.pop().__exit__(None, None, None)
+    undo = []
+    for layer in model.model.layers:
+        undo.append(layer.mlp.experts.register_forward_pre_hook(enter).remove)
+        undo.append(layer.mlp.experts.register_forward_hook(leave).remove)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    try:
+        with profile(activities=activities) as prof, torch.no_grad():
+            with record_function("prefill_split.prefill"):
+                model(ids)
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        for u in undo:
+            u()
+
+    def us(e) -> float:
+        return e.device_time_total if cuda else e.cpu_time_total
+    events = prof.events()
+    total = sum(us(e) for e in events if e.name == "prefill_split.prefill") / 1e3
+    calls = [us(e) / 1e3 for e in events if e.name == "prefill_split.experts"]
+    return {"kernel_ms": total, "experts_kernel_ms": sum(calls), "other_kernel_ms": total - sum(calls), "experts_calls": len(calls)}
+
+
+def dependency_bound_s(kernels: dict, moved_bytes: float) -> float:
+    """The kernels outside the experts calls, then the reads at ``H2D_BYTES_PER_S``, one after
+    the other (``kernel_split``)."""
+    return kernels["other_kernel_ms"] / 1e3 + moved_bytes / H2D_BYTES_PER_S
 
 
 def instrument(model, mgr, marks: Marks) -> list:
@@ -285,7 +339,9 @@ def main() -> int:
     result["all_gpu"] = split(marks.resolved())["median"]
     result["all_gpu"]["host_experts_ms"] = statistics.median(
         b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
-    print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items()}), flush=True)
+    result["all_gpu"]["kernels"] = kernel_split(plain, ids, cuda)
+    print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items() if not isinstance(v, dict)}),
+          json.dumps(result["all_gpu"]["kernels"]), flush=True)
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     layouts = {}
     n_experts = getattr(plain.config, "num_local_experts", None) or plain.config.num_experts
@@ -355,6 +411,8 @@ def main() -> int:
         r = reps[spec]
         med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
         med["over_bound"] = med["prefill_s"] / med["bound_s"]
+        med["dependency_bound_s"] = dependency_bound_s(result["all_gpu"]["kernels"], med["moved_bytes"])
+        med["over_dependency_bound"] = med["prefill_s"] / med["dependency_bound_s"]
         med["prefetch"] = r[-1]["prefetch"]
         med["timeline"] = r[-1]["timeline"]
         for r_ in r:

@@ -117,3 +117,27 @@ def test_a_frozen_rebalancer_moves_nothing_while_timed(tmp_path, monkeypatch):
     assert got[frozen]["layout"]["timed"] == got[frozen]["layout"]["end"]
     assert got[frozen]["rebalancer"]["in_flight"] == 0
     assert got[live]["rebalancer"]["rebalances"] > got[frozen]["rebalancer"]["rebalances"]
+    kernels = json.loads(out.read_text())["all_gpu"]["kernels"]
+    assert kernels["experts_calls"] == 3
+    for spec in (live, frozen):
+        med = got[spec]["median"]
+        assert med["dependency_bound_s"] == prefill_split.dependency_bound_s(kernels, med["moved_bytes"])
+        assert med["over_dependency_bound"] == med["prefill_s"] / med["dependency_bound_s"]
+
+
+def test_kernel_split_adds_up_and_bounds_a_waiting_prefill():
+    """On the CPU (tiny shapes): the untiered model's op time splits into its experts calls, one per
+    layer, and the rest; the dependency bound is the rest plus the bytes at 55 GB/s."""
+    import torch
+
+    from tools.measure import TINY, build
+
+    model = build("qwen3_moe", TINY["qwen3_moe"] | {"layers": 3}, torch.device("cpu"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    got = prefill_split.kernel_split(model, ids, cuda=False)
+    assert got["experts_calls"] == 3
+    assert 0 < got["experts_kernel_ms"] < got["kernel_ms"]
+    assert math.isclose(got["other_kernel_ms"], got["kernel_ms"] - got["experts_kernel_ms"])
+    # the hooks are gone: a second forward sees no ranges
+    assert all(not m.mlp.experts._forward_pre_hooks and not m.mlp.experts._forward_hooks for m in model.model.layers)
+    assert math.isclose(prefill_split.dependency_bound_s({"other_kernel_ms": 12.0}, 55e9 * 0.5), 0.512)
