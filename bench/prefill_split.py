@@ -205,7 +205,9 @@ def kernel_split(model, ids: torch.Tensor, cuda: bool) -> dict:
 
     def us(e) -> float:
         return e.device_time_total if cuda else e.cpu_time_total
-    events = prof.events()
+    # the ranges as the host saw them (with CUDA, each range is also an annotation on the device's
+    # timeline, whose time is its span, idle gaps included)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
     total = sum(us(e) for e in events if e.name == "prefill_split.prefill") / 1e3
     calls = [us(e) / 1e3 for e in events if e.name == "prefill_split.experts"]
     return {"kernel_ms": total, "experts_kernel_ms": sum(calls), "other_kernel_ms": total - sum(calls), "experts_calls": len(calls)}

@@ -30,6 +30,7 @@ static inputs: the CPU tests run the same caching, static buffers and checks thr
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Sequence
@@ -80,12 +81,20 @@ class CudaGraph:
     def capture(self, step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
         current = torch.cuda.current_stream()
         self._stream.wait_stream(current)  # the static inputs' copies and the warm-up precede the capture
-        with torch.cuda.stream(self._stream):
-            self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-            try:
-                self.output = step(*inputs)
-            finally:
-                self._graph.capture_end()
+        # no collection in the capture: a finalizer it ran could call CUDA where a capture refuses
+        # it (a host pool's unregistration), and the capture would fail
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.stream(self._stream):
+                self._graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    self.output = step(*inputs)
+                finally:
+                    self._graph.capture_end()
+        finally:
+            if collecting:
+                gc.enable()
         current.wait_stream(self._stream)
 
     def replay(self) -> torch.Tensor:

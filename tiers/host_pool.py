@@ -6,9 +6,16 @@ own pages (page aligned, shared with no other allocation) pinned with a single
 ``cudaHostRegister`` (about 10x faster than ``torch.empty(pin_memory=True)``, which also rounds
 up to powers of two), and unregistered before its pages are unmapped, when the pool is closed or
 collected; without CUDA pinning is skipped in ``pin_host`` and nowhere else.
+
+A pool collected while its thread captures a CUDA graph (the collector runs wherever Python
+allocates) cannot unregister then: CUDA refuses the call in a capture, and the capture fails. Its
+unregistration waits, with the mapping kept, until the next pool is made or closed outside a
+capture (``release_pending``): were the pages unmapped while registered, a later mapping at that
+address could not be registered (CUDA error 712, the registration already there).
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import weakref
 
@@ -23,12 +30,39 @@ def pin_host(t: torch.Tensor) -> bool:
         return False
     rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
     if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed with CUDA error {int(rc)}")
+        why = " (part of the range is registered already)" if int(rc) == 712 else ""
+        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed with CUDA error {int(rc)}{why}")
     return True
 
 
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+log = logging.getLogger(__name__)
+
+# (address, mapping) of collected pools whose unregistration waits: the mapping stays until it is done
+_pending: list[tuple[int, mmap.mmap]] = []
+
+
+def _unregister(ptr: int, mapping: mmap.mmap) -> None:
+    """Unregister ``ptr``, or, while this thread's current stream captures a graph, keep
+    ``mapping`` (so its pages stay mapped) until ``release_pending``."""
+    if torch.cuda.is_current_stream_capturing():
+        _pending.append((ptr, mapping))
+        return
+    rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    if rc != 0:
+        log.warning("cudaHostUnregister of a host pool failed with CUDA error %d; its mapping is kept", rc)
+        _pending.append((ptr, mapping))
+
+
+def release_pending() -> int:
+    """Unregister the collected pools whose unregistration waited (outside a capture; their
+    mappings go after); returns how many are left waiting."""
+    if _pending and not torch.cuda.is_current_stream_capturing():
+        waiting = []
+        while _pending:  # one at a time: a finalizer on another thread may append meanwhile
+            waiting.append(_pending.pop())
+        for ptr, mapping in waiting:
+            _unregister(ptr, mapping)
+    return len(_pending)
 
 
 def assert_pinned(src: torch.Tensor, device: torch.device) -> None:
@@ -46,9 +80,12 @@ class HostPool:
         # malloc later hands to someone else.
         self._map = mmap.mmap(-1, self.capacity)
         self.slab = torch.frombuffer(self._map, dtype=torch.uint8)  # [capacity]
+        if pin:
+            release_pending()
         self.pinned = pin_host(self.slab) if pin else False
-        # Unregister before the mapping goes away, whether close() is called or not.
-        self._unpin = weakref.finalize(self, _unregister, self.slab.data_ptr()) if self.pinned else None
+        # Unregister before the mapping goes away, whether close() is called or not (the finalizer
+        # holds the mapping: it outlives the registration).
+        self._unpin = weakref.finalize(self, _unregister, self.slab.data_ptr(), self._map) if self.pinned else None
         self.used = 0
 
     def alloc(self, nbytes: int) -> int:
@@ -66,3 +103,4 @@ class HostPool:
         if self._unpin is not None:
             self._unpin()
             self.pinned = False
+        release_pending()

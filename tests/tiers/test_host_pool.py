@@ -1,0 +1,124 @@
+"""The warm tier's host slab (tiers.host_pool): a pool collected inside a CUDA graph capture keeps
+its pages mapped until its unregistration can run.
+
+CUDA refuses ``cudaHostUnregister`` while the calling thread captures a graph, and fails the
+capture; pages unmapped while still registered make the next registration at that address fail
+(CUDA error 712). The CPU tests drive the waiting logic with a fake ``cudart``; the CUDA ones
+finalize a real pool inside a real capture."""
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+import tiers.host_pool as host_pool
+from tiers.host_pool import HostPool
+
+
+class FakeCudart:
+    """Records unregistrations; fails the next ``fail`` of them."""
+
+    def __init__(self, fail: int = 0):
+        self.unregistered: list[int] = []
+        self.fail = fail
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        if self.fail:
+            self.fail -= 1
+            return 1  # cudaErrorInvalidValue
+        self.unregistered.append(ptr)
+        return 0
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = {"capturing": False, "cudart": FakeCudart()}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: state["cudart"])
+    monkeypatch.setattr(host_pool, "_pending", [])
+    return state
+
+
+def test_unregistration_waits_while_capturing_and_keeps_the_mapping(fake_cuda):
+    mapping = mmap.mmap(-1, 4096)
+    fake_cuda["capturing"] = True
+    host_pool._unregister(1234, mapping)
+    assert fake_cuda["cudart"].unregistered == []  # no CUDA call in the capture
+    assert host_pool._pending == [(1234, mapping)]  # the mapping is held: its pages stay mapped
+    assert host_pool.release_pending() == 1  # still capturing: nothing happens
+    assert fake_cuda["cudart"].unregistered == []
+    fake_cuda["capturing"] = False
+    assert host_pool.release_pending() == 0
+    assert fake_cuda["cudart"].unregistered == [1234] and host_pool._pending == []
+
+
+def test_a_refused_unregistration_is_retried_not_dropped(fake_cuda, caplog):
+    mapping = mmap.mmap(-1, 4096)
+    fake_cuda["cudart"].fail = 1
+    with caplog.at_level("WARNING", logger="tiers.host_pool"):
+        host_pool._unregister(99, mapping)
+    assert host_pool._pending == [(99, mapping)] and "CUDA error 1" in caplog.text
+    assert host_pool.release_pending() == 0 and fake_cuda["cudart"].unregistered == [99]
+
+
+def test_outside_a_capture_unregisters_at_once(fake_cuda):
+    host_pool._unregister(7, mmap.mmap(-1, 4096))
+    assert fake_cuda["cudart"].unregistered == [7] and host_pool._pending == []
+
+
+def test_closing_an_unpinned_pool_touches_no_cuda():
+    pool = HostPool(10_000, pin=False)
+    assert not pool.pinned and pool.capacity % 4096 == 0
+    pool.close()  # nothing waits: no CUDA query either
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_pool_finalized_in_a_capture_is_unregistered_after_it():
+    pool = HostPool(1 << 20, pin=True)
+    slab, ptr, nbytes = pool.slab, pool.slab.data_ptr(), pool.capacity
+    x = torch.zeros(4, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        g.capture_begin(capture_error_mode="thread_local")
+        try:
+            x.add_(1)
+            pool._unpin()  # what the collector would run here
+        finally:
+            g.capture_end()  # raises if CUDA saw an unregistration in the capture
+    torch.cuda.current_stream().wait_stream(side)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.ones(4, device="cuda"))
+    assert [p for p, _ in host_pool._pending] == [ptr]
+    other = HostPool(4096, pin=True)  # a new pool releases what waited
+    assert host_pool._pending == []
+    # the range is free to register again: it was unregistered, its pages still mapped
+    assert int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) == 0
+    other.close()
+    del slab
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_graphs_capture_with_the_collector_off():
+    from tiers.graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(torch.device("cuda"), enabled=True)
+    seen = []
+
+    def step(a):
+        seen.append(gc.isenabled())
+        return a * 2
+
+    a = torch.arange(4.0, device="cuda")
+    for _ in range(3):  # eager, capture, replay
+        out = graphs.run("k", [], step, (a,))
+    assert torch.equal(out, a * 2) and graphs.captured == 1 and graphs.failed == 0
+    assert seen == [True, False]  # the eager call with it on, the capture with it off
+    assert gc.isenabled()
