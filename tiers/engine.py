@@ -213,8 +213,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             if (placement.cold or rebalancing) and cfg.nvme.reader_threads else None
         )
         self.pending: dict[tuple[int, int], tuple[Future, ExpertKey, str, torch.Tensor, SlotPool]] = {}
-        self.predicted: dict[int, set[int]] = {}  # layer -> experts predicted for its next call
-        self.ranked: dict[int, list[int]] = {}  # layer -> the same, most votes first (the read-ahead's order)
+        self.predicted: dict[int, list[int]] = {}  # layer -> experts predicted for its next call, likeliest first
 
         # -- GPU: one slot pool per expert signature; hot slots first, staging slots after.
         self.pool_of: dict[int, SlotPool] = {}

@@ -116,9 +116,9 @@ def _prefetch(binding: LayerBinding, limit: int | None = None, direct: bool = Tr
     the copy engine, ``direct=False``, as the call's own reads)."""
     mgr = binding.manager
     for layer, _ in binding.lookahead:
-        ranked = mgr.ranked.get(layer)
-        if ranked and layer not in mgr.static_maps:
-            mgr.prefetch(layer, ranked, limit, direct)
+        predicted = mgr.predicted.get(layer)
+        if predicted and layer not in mgr.static_maps:
+            mgr.prefetch(layer, predicted, limit, direct)
 
 
 def tiers_experts_forward(

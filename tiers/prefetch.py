@@ -97,16 +97,15 @@ class Prefetcher:
     def note_prediction(self, layer: int, experts: list[int]) -> None:
         """The experts predicted for ``layer``'s next call, the likeliest first (the order a
         read-ahead stages them in)."""
-        self.predicted[layer] = set(experts)
-        self.ranked[layer] = list(experts)
+        self.predicted[layer] = list(experts)
 
     def note_used(self, layer: int, experts: list[int]) -> None:
         """Score the prediction made for this layer: accuracy = |predicted & used| / |used|."""
         self.score_prediction(self.predicted.pop(layer, None), experts)
 
-    def score_prediction(self, predicted: set[int] | None, experts: list[int]) -> None:
+    def score_prediction(self, predicted: list[int] | None, experts: list[int]) -> None:
         """Count a layer call's prediction (None: it had none) against the experts it used."""
         if predicted is not None:
-            self.stats_.prefetch_correct += len(predicted.intersection(experts))
+            self.stats_.prefetch_correct += len(set(predicted).intersection(experts))
             self.stats_.prefetch_used_total += len(experts)
 

@@ -76,7 +76,7 @@ class Whole:
 
     tokens: int
     top_k: int
-    predicted: set[int] | None  # the prediction made for this layer, scored when settled
+    predicted: list[int] | None  # the prediction made for this layer, scored when settled
     took: dict[int, int | None] = field(default_factory=dict)  # cached experts used in place -> bytes if read ahead
     read: list[int] = field(default_factory=list)  # experts read from the warm pool
     ends: list[tuple[int, int]] = field(default_factory=list)  # (expert, i): its rows end at bound i, start at bound i - 1
