@@ -18,7 +18,8 @@ it move experts; ``rebal-frozen``: as ``rebal``, then every read in flight lande
 interval closing, so the prefills see the moved experts and no rebalance work; skewed routes
 also report the hot experts per layer and their slot runs, ``layout``); the untiered model keeps
 its own routers, so a skewed config's bound takes the uniform all-GPU prefill (below the bytes
-bound at these budgets);
+bound at these budgets); and : graphs (``on`` or ``off``, the default the engine's
+``WHOLE_GRAPHS``: whole-layer calls replay their plan and windows as graphs, ``whole_graphs``);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -276,19 +277,23 @@ ROUTES = ("uniform", "skewed", "rebal", "rebal-frozen")
 
 
 def parse_spec(spec: str) -> dict:
-    """``precision:staging:depth:fraction[:whole[:buffers[:plan[:dequant[:route]]]]]`` -> its fields,
-    the optional ones defaulted; a field outside its choices is refused, naming the spec."""
+    """``precision:staging:depth:fraction[:whole[:buffers[:plan[:dequant[:route[:graphs]]]]]]`` -> its
+    fields, the optional ones defaulted; a field outside its choices is refused, naming the spec."""
     fields = spec.split(":")
-    if not 4 <= len(fields) <= 9:
-        raise SystemExit(f"{spec}: expected 4 to 9 ':'-separated fields, got {len(fields)}")
+    if not 4 <= len(fields) <= 10:
+        raise SystemExit(f"{spec}: expected 4 to 10 ':'-separated fields, got {len(fields)}")
     precision, staging, depth, fraction, *rest = fields
-    whole, buffers, plan, dequant, route = (rest + ["auto", "", "copy", "kernel", "uniform"][len(rest):])[:5]
+    from tiers.engine import TierManager
+
+    defaults = ["auto", "", "copy", "kernel", "uniform", "on" if TierManager.WHOLE_GRAPHS else "off"]
+    whole, buffers, plan, dequant, route, graphs = (rest + defaults[len(rest):])[:6]
     for name, value, allowed in (("whole", whole, ("auto", "on", "off")), ("plan", plan, ("copy", "compute")),
-                                 ("dequant", dequant, ("kernel", "torch")), ("route", route, ROUTES)):
+                                 ("dequant", dequant, ("kernel", "torch")), ("route", route, ROUTES),
+                                 ("graphs", graphs, ("on", "off"))):
         if value not in allowed:
             raise SystemExit(f"{spec}: the {name} field is one of {', '.join(allowed)}, not {value!r}")
     return {"precision": precision, "staging": staging, "depth": depth, "fraction": float(fraction), "whole": whole,
-            "buffers": int(buffers) if buffers else None, "plan": plan, "dequant": dequant, "route": route}
+            "buffers": int(buffers) if buffers else None, "plan": plan, "dequant": dequant, "route": route, "graphs": graphs}
 
 
 # the engine's steps timed on the host (TierManager attributes)
@@ -318,6 +323,7 @@ def main() -> int:
     from quant import int8 as int8_scheme
     from tiers.integration import manager_of
     from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
+    from tiers.graphs import DecodeGraphs
     from tools.routing import TraceRouting
 
     cuda = torch.cuda.is_available()
@@ -360,6 +366,8 @@ def main() -> int:
         if f["buffers"]:
             mgr.WHOLE_BUFFERS = f["buffers"]
         mgr.WHOLE_PLAN_ON_COPY = f["plan"] == "copy"
+        if (f["graphs"] == "on") != mgr.whole_graphs.enabled:
+            mgr.whole_graphs = DecodeGraphs(device, f["graphs"] == "on")
         int8_scheme.USE_KERNEL = f["dequant"] == "kernel"
         if f["route"] != "uniform":  # stays on for the run: each call takes the trace's next rows
             TraceRouting(m, tokens=max(4096, 2 * args.prefill))
@@ -423,13 +431,15 @@ def main() -> int:
             keys = sorted({k for x in r for k in x[part]})
             med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
         pool = mgr.pool_of[min(mgr.pool_of)]
-        result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r}
+        result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r,
+                                   "whole_graphs": mgr.whole_graphs.counts()}
         if spec in layouts:
             result["configs"][spec]["layout"] = layouts[spec] | {"end": layout_summary(mgr.table, sorted(mgr.manifest.layers), n_experts)}
             if mgr.rebalancer is not None:
                 result["configs"][spec]["rebalancer"] = mgr.rebalancer.report()
             print("   layout", json.dumps(result["configs"][spec]["layout"]), flush=True)
-        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, (dict, list))}), json.dumps(med["prefetch"]), flush=True)
+        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, (dict, list))}), json.dumps(med["prefetch"]),
+              json.dumps(mgr.whole_graphs.counts()), flush=True)
         for part in ("total", "median", "host_steps_ms", "host_step_calls"):
             print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
         mgr.close()

@@ -10,14 +10,19 @@ offloaded arm, whatever it moved (``bench/results/bench-qwen3_moe-run29.md``). A
 the same kernels with one launch from the host. The slabs never move and the direct tables
 are rewritten in place (``tiers.direct``), so the addresses a graph holds stay valid.
 
-Contract: ``run(key, bound, step, inputs)`` returns what ``step(*inputs)`` returns. ``step``
+A second cache, ``TierManager.whole_graphs`` (``WHOLE_GRAPHS``), replays a whole-layer prefill
+call's plan and each of its windows' kernels the same way, where a call's shapes and slots
+recur (``tiers.integration._grouped_whole``).
+
+Contract: ``run(key, bound, step, inputs)`` returns what ``step(*inputs)`` returns (a tensor or
+a tuple of tensors, possibly one of its inputs as it is). ``step``
 must be a function of its inputs and of the tensors listed in ``bound`` (every other tensor it
 reads or writes), free of host syncs and of host-visible results. The first call with a key
 (or with other ``bound`` tensors than before) runs ``step`` eagerly: it warms up kernels and
 libraries. The next one captures it into a graph with static copies of the inputs, and every
 later call copies its inputs there and replays. A step that cannot be captured (a host sync in
-it, say) runs eagerly from then on. The returned tensor is a fresh copy: the graph's own output
-is overwritten by its next replay.
+it, say) runs eagerly from then on. The returned tensors are fresh copies: the graph's own
+outputs are overwritten by its next replay.
 
 Invariant: a graph is replayed only with the very tensors it was captured with: ``bound``'s
 data pointers, shapes and strides are part of the check, so a table rebuilt as a new tensor
@@ -45,6 +50,11 @@ def signature(tensors: Sequence[torch.Tensor | None]) -> tuple:
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors)
 
 
+def _tensors(out: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A step's output as a tuple of tensors (a step returns one tensor or a tuple of them)."""
+    return out if isinstance(out, tuple) else (out,)
+
+
 class HostGraph:
     """A graph that replays by calling its step: what a graph does, for devices without them.
 
@@ -59,12 +69,14 @@ class HostGraph:
     def capture(self, step: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> None:
         self._step, self._inputs = step, inputs
 
-    def replay(self) -> torch.Tensor:
+    def replay(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
         out = self._step(*self._inputs)
         if self.output is None:
             self.output = out
         else:
-            self.output.copy_(out)
+            for dst, x in zip(_tensors(self.output), _tensors(out)):
+                if dst is not x:  # a step may return one of its static inputs as it is
+                    dst.copy_(x)
         return self.output
 
 
@@ -165,7 +177,9 @@ class DecodeGraphs:
                 dst.copy_(x)
         self.replayed += 1
         out = entry.graph.replay()
-        return out.clone() if fresh else out
+        if not fresh:
+            return out
+        return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
 
     def reset_counts(self) -> None:
         self.captured = self.replayed = self.eager_calls = self.failed = 0

@@ -608,37 +608,55 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
         lasts = [f + hi - lo for _, lo, hi, f in plan.segments]
         # the plan goes up on the copy stream ahead of the parts' reads: on the compute stream it
         # would wait for the copy engine to finish the first parts' reads
-        key_map, bounds, base, first_at, last_at = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts],
-                                                                         on=mgr.copy_stream if mgr.WHOLE_PLAN_ON_COPY else None)
+        uploaded = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts],
+                                        on=mgr.copy_stream if mgr.WHOLE_PLAN_ON_COPY else None)
         for p in range(min(len(s.buffers), len(s.parts))):
             mgr.stream_part(s, p)
-        n_slots, rows_n = s.pool.n_slots, T * k
-        sorted_keys, order = torch.sort(key_map[top_k_index.reshape(-1)], stable=True)  # [T*k]
-        at = torch.searchsorted(sorted_keys, bounds)  # [B] rows before each bound
-        offs = (at - at[base]).to(torch.int32)  # [B] per window slot: its rows' end, from the window's first row
+        n_slots, rows_n, layer = s.pool.n_slots, T * k, binding.layer
         cap = T * min(k, max(hi - lo for _, lo, hi, _ in plan.segments))
-        pos = at[first_at].unsqueeze(1) + torch.arange(cap, device=at.device)  # [S, cap] sorted row of each buffer row
-        valid = pos < at[last_at].unsqueeze(1)
-        src = order[pos.clamp_(max=rows_n - 1)]  # [S, cap] flat (token, pick) row
-        dest = torch.where(valid, src, rows_n)  # rows past the window's -> the spare row
-        tok = torch.div(src, k, rounding_mode="floor")  # [S, cap]
-        weights = top_k_weights.reshape(-1)[src]  # [S, cap]
-        slot_ids = sorted_keys[pos] % n_slots if self.has_bias else None
-        out = torch.zeros(rows_n + 1, hidden_states.shape[-1], dtype=torch.promote_types(s.pool.dtype, top_k_weights.dtype),
-                          device=hidden_states.device)  # [T*k + 1, H] as the GEMMs' rows times their weights
+        out = mgr.whole_out((rows_n + 1, hidden_states.shape[-1]), torch.promote_types(s.pool.dtype, top_k_weights.dtype),
+                            hidden_states.device)  # [T*k + 1, H] as the GEMMs' rows times their weights
+        has_bias = self.has_bias
+
+        def plan_step(key_map, bounds, base, first_at, last_at, top_k_index, top_k_weights, hidden_states):
+            sorted_keys, order = torch.sort(key_map[top_k_index.reshape(-1)], stable=True)  # [T*k]
+            at = torch.searchsorted(sorted_keys, bounds)  # [B] rows before each bound
+            offs = (at - at[base]).to(torch.int32)  # [B] per window slot: its rows' end, from the window's first row
+            pos = at[first_at].unsqueeze(1) + torch.arange(cap, device=at.device)  # [S, cap] sorted row of each buffer row
+            valid = pos < at[last_at].unsqueeze(1)
+            src = order[pos.clamp_(max=rows_n - 1)]  # [S, cap] flat (token, pick) row
+            dest = torch.where(valid, src, rows_n)  # rows past the window's -> the spare row
+            tok = torch.div(src, k, rounding_mode="floor")  # [S, cap]
+            weights = top_k_weights.reshape(-1)[src].unsqueeze(-1)  # [S, cap, 1]
+            out.zero_()
+            got = (hidden_states, at, offs, tok, weights, dest)
+            return got + (sorted_keys[pos] % n_slots,) if has_bias else got
+
+        # the plan's outputs (and the hidden states) are a graph's static tensors once it replays,
+        # which the windows' graphs bind
+        planned = mgr.whole_graphs.run(("whole_plan", layer, cap, n_slots), (out,), plan_step,
+                                       (*uploaded, top_k_index, top_k_weights, hidden_states), fresh=False)
+        xs_all, at, offs, tok, weights, dest = planned[:6]
+        slot_ids = planned[6] if has_bias else None
         proxy = _proxy(self, s.pool.slabs, n_slots)
+        bound = (xs_all, offs, tok, weights, dest, out, slot_ids, *s.pool.slabs.values())
         by_group: dict[int, list[int]] = {}
         for j, (g, *_) in enumerate(plan.segments):
             by_group.setdefault(g, []).append(j)
+
+        def window_step(j: int, lo: int, hi: int, f: int, c: int):
+            xs = xs_all[tok[j, :c]]  # [c, H]
+            y = _run_windows(proxy, xs, [{"lo": lo, "hi": hi, "a": 0, "b": c}], offs[f + 1 : f + 1 + hi - lo],
+                             None if slot_ids is None else slot_ids[j, :c])
+            out.index_copy_(0, dest[j, :c], y * weights[j, :c])
+            return y
 
         def run(g: int) -> None:
             for j in by_group.get(g, ()):
                 _, lo, hi, f = plan.segments[j]
                 c = T * min(k, hi - lo)
-                xs = hidden_states[tok[j, :c]]  # [c, H]
-                y = _run_windows(proxy, xs, [{"lo": lo, "hi": hi, "a": 0, "b": c}], offs[f + 1 : f + 1 + hi - lo],
-                                 None if slot_ids is None else slot_ids[j, :c])
-                out.index_copy_(0, dest[j, :c], y * weights[j, :c].unsqueeze(-1))
+                mgr.whole_graphs.run(("whole_window", layer, j, lo, hi, f, c), bound,
+                                     lambda j=j, lo=lo, hi=hi, f=f, c=c: window_step(j, lo, hi, f, c), (), fresh=False)
 
         _run_parts(mgr, s, run, held_after=min(1, len(s.parts) - 1))
         done = True

@@ -96,6 +96,23 @@ class StreamedCalls:
     # A whole-layer call uploads its plan on the copy stream, ahead of its reads (False: on the
     # compute stream, where it waits for the reads under way; kept for A/B runs).
     WHOLE_PLAN_ON_COPY = True
+    # A whole-layer call's plan and each window's kernels run through graphs (``whole_graphs``):
+    # captured on a layer's second call of the same shapes and slots, replayed after.
+    WHOLE_GRAPHS = False
+
+    def whole_out(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer a whole-layer call's windows write their rows into: one per shape, kept for
+        the graphs that write it while its shape recurs (the last two shapes), else a new one."""
+        if not self.whole_graphs.enabled:
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (shape, dtype)
+        out = self.whole_outs.pop(key, None)
+        if out is None:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            while len(self.whole_outs) >= 2:
+                self.whole_outs.pop(next(iter(self.whole_outs)))
+        self.whole_outs[key] = out  # the most recent last
+        return out
 
     def begin_stream(self, layer: int, experts: list[int], whole: tuple[int, int] | None = None) -> Stream | None:
         """Plan a streamed call of ``experts`` (ascending) and reserve its slots; None when the

@@ -797,3 +797,52 @@ def test_a_whole_layer_call_runs_its_held_experts_after_parts_0_and_1(packed_fac
         mod(x, idx, w)
     assert mgr.stats().streamed["whole"] == 1
     assert len(order) > 3 and order[:3] == [0, 1, "held"] and order[3:] == list(range(2, len(order) - 1))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_whole_layer_calls_through_graphs_equal_the_eager_calls(precision, device, packed_factory):
+    """With ``whole_graphs`` on, a whole-layer call's plan and windows run eagerly, then are
+    captured, then replay (on the CPU through ``HostGraph``): every call's output equals the same
+    call's through the path that waits for its routing, inputs changing between calls of the same shapes (rows routed to the
+    sentinel id among them, which no window writes), and the calls count as before."""
+    from tiers.graphs import DecodeGraphs
+
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg(precision), device=device, progress=False)
+    mgr = manager_of(model)
+    rounds = [[c for c in _calls(model, 64, seed=seed) if c[0] not in mgr.static_maps] for seed in (11, 12, 11, 13, 14, 12)]
+    for r, calls in enumerate(rounds[1:], 1):  # some picks to the sentinel id (expert parallelism), others each round
+        for *_, mod, _, idx, _ in calls:
+            idx[r::7, r % idx.shape[1]] = mod.num_experts
+    assert rounds[0] and all(mgr.whole_layer(c[0], *c[4].shape) for c in rounds[0])
+    assert not mgr.whole_graphs.enabled  # off unless asked
+    mgr.whole_calls = False  # the reference: the calls that wait for their routing
+    with torch.no_grad():
+        want = [[mod(x, idx, w) for _, _, mod, x, idx, w in calls] for calls in rounds]
+    mgr.whole_calls = True
+    mgr.whole_graphs = DecodeGraphs(device, True)
+    mgr.reset_stats()
+    with torch.no_grad():
+        got = [[mod(x, idx, w) for _, _, mod, x, idx, w in calls] for calls in rounds]
+    for r, (a_round, b_round) in enumerate(zip(want, got)):
+        for (layer, *_), a, b in zip(rounds[r], a_round, b_round):
+            _assert_close(a, b, device, f"round {r}, layer {layer}")
+    counts = mgr.whole_graphs.counts()
+    assert counts["failed"] == 0 and counts["captured"] > 0 and counts["replayed"] > counts["captured"], counts
+    s = mgr.stats()
+    assert s.streamed["whole"] == s.streamed["calls"] == sum(map(len, rounds))
+    _assert_consistent(mgr)
+
+
+def test_whole_layer_outputs_keep_the_last_two_shapes(packed_factory):
+    from tiers.graphs import DecodeGraphs
+
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("int8"), progress=False)
+    mgr = manager_of(model)
+    assert mgr.whole_out((4, 2), torch.float32, torch.device("cpu")) is not mgr.whole_out((4, 2), torch.float32, torch.device("cpu"))
+    mgr.whole_graphs = DecodeGraphs(torch.device("cpu"), True)
+    a = mgr.whole_out((4, 2), torch.float32, torch.device("cpu"))
+    b = mgr.whole_out((5, 2), torch.float32, torch.device("cpu"))
+    assert mgr.whole_out((4, 2), torch.float32, torch.device("cpu")) is a  # kept while its shape recurs
+    mgr.whole_out((6, 2), torch.float32, torch.device("cpu"))  # a third shape: the least recent (5, 2) goes
+    assert mgr.whole_out((4, 2), torch.float32, torch.device("cpu")) is a
+    assert mgr.whole_out((5, 2), torch.float32, torch.device("cpu")) is not b
