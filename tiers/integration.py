@@ -649,7 +649,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
             y = _run_windows(proxy, xs, [{"lo": lo, "hi": hi, "a": 0, "b": c}], offs[f + 1 : f + 1 + hi - lo],
                              None if slot_ids is None else slot_ids[j, :c])
             out.index_copy_(0, dest[j, :c], y * weights[j, :c])
-            return y
+            return out[:0]  # nothing of its own: a graph keeps its outputs, and y is [c, H]
 
         def run(g: int) -> None:
             for j in by_group.get(g, ()):
