@@ -18,8 +18,9 @@ it move experts; ``rebal-frozen``: as ``rebal``, then every read in flight lande
 interval closing, so the prefills see the moved experts and no rebalance work; skewed routes
 also report the hot experts per layer and their slot runs, ``layout``); the untiered model keeps
 its own routers, so a skewed config's bound takes the uniform all-GPU prefill (below the bytes
-bound at these budgets); and : graphs (``on`` or ``off``, the default the engine's
-``WHOLE_GRAPHS``: whole-layer calls replay their plan and windows as graphs, ``whole_graphs``);
+bound at these budgets); and : graphs (``auto``, the default: as the engine decides, on with CUDA;
+``on`` or ``off``: whole-layer calls replay their plan and windows as graphs, ``whole_graphs``,
+or not);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -283,13 +284,11 @@ def parse_spec(spec: str) -> dict:
     if not 4 <= len(fields) <= 10:
         raise SystemExit(f"{spec}: expected 4 to 10 ':'-separated fields, got {len(fields)}")
     precision, staging, depth, fraction, *rest = fields
-    from tiers.engine import TierManager
-
-    defaults = ["auto", "", "copy", "kernel", "uniform", "on" if TierManager.WHOLE_GRAPHS else "off"]
+    defaults = ["auto", "", "copy", "kernel", "uniform", "auto"]
     whole, buffers, plan, dequant, route, graphs = (rest + defaults[len(rest):])[:6]
     for name, value, allowed in (("whole", whole, ("auto", "on", "off")), ("plan", plan, ("copy", "compute")),
                                  ("dequant", dequant, ("kernel", "torch")), ("route", route, ROUTES),
-                                 ("graphs", graphs, ("on", "off"))):
+                                 ("graphs", graphs, ("auto", "on", "off"))):
         if value not in allowed:
             raise SystemExit(f"{spec}: the {name} field is one of {', '.join(allowed)}, not {value!r}")
     return {"precision": precision, "staging": staging, "depth": depth, "fraction": float(fraction), "whole": whole,
@@ -366,7 +365,7 @@ def main() -> int:
         if f["buffers"]:
             mgr.WHOLE_BUFFERS = f["buffers"]
         mgr.WHOLE_PLAN_ON_COPY = f["plan"] == "copy"
-        if (f["graphs"] == "on") != mgr.whole_graphs.enabled:
+        if f["graphs"] != "auto" and (f["graphs"] == "on") != mgr.whole_graphs.enabled:
             mgr.whole_graphs = DecodeGraphs(device, f["graphs"] == "on")
         int8_scheme.USE_KERNEL = f["dequant"] == "kernel"
         if f["route"] != "uniform":  # stays on for the run: each call takes the trace's next rows

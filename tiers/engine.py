@@ -998,6 +998,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._static_host_hits = 0
         self.reset_direct()
         self.graphs.reset_counts()
+        self.whole_graphs.reset_counts()
 
     def stats(self) -> TierStats:
         self.settle()
@@ -1038,6 +1039,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             device=str(self.device),
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},
             graphs=self.graphs.counts(),
+            whole_graphs=self.whole_graphs.counts(),
         )
 
     def close(self) -> None:

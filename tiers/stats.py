@@ -34,6 +34,8 @@ class TierStats:
     streamed: dict[str, int] = field(default_factory=dict)
     # on (0/1), graphs (held now), captured, replayed, eager, failed: decode calls replayed as CUDA graphs (tiers.graphs)
     graphs: dict[str, int] = field(default_factory=dict)
+    # the same for whole-layer calls' plans and windows (TierManager.whole_graphs)
+    whole_graphs: dict[str, int] = field(default_factory=dict)
 
     @property
     def h2d_gbps(self) -> float:
@@ -57,6 +59,7 @@ class TierStats:
             "direct": dict(self.direct),
             "streamed": dict(self.streamed),
             "graphs": dict(self.graphs),
+            "whole_graphs": dict(self.whole_graphs),
         }
 
     def __str__(self) -> str:
@@ -102,6 +105,10 @@ class TierStats:
             if self.streamed.get("whole"):
                 lines.append(f"  {self.streamed['whole']} of them read their whole layer without a sync; {self.streamed['unused']} "
                              f"experts read in vain ({self.streamed['unused_bytes'] / mib:.1f} MiB)")
+            g = self.whole_graphs
+            if g.get("replayed") or g.get("failed"):
+                lines.append(f"  their plans and windows: {g['replayed']} replayed from {g['graphs']} graphs ({g['captured']} captured, "
+                             f"{g['eager']} eager, {g['failed']} captures failed)")
         if self.rebalance:
             r = self.rebalance
             lines.append(

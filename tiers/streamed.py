@@ -98,7 +98,7 @@ class StreamedCalls:
     WHOLE_PLAN_ON_COPY = True
     # A whole-layer call's plan and each window's kernels run through graphs (``whole_graphs``):
     # captured on a layer's second call of the same shapes and slots, replayed after.
-    WHOLE_GRAPHS = False
+    WHOLE_GRAPHS = True
 
     def whole_out(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The buffer a whole-layer call's windows write their rows into: one per shape, kept for

@@ -87,7 +87,7 @@ def test_layers_without_copies_have_no_copy_figures():
 def test_specs_default_their_optional_fields_and_refuse_unknown_choices():
     got = prefill_split.parse_spec("int8:auto:0:0.5")
     assert got == {"precision": "int8", "staging": "auto", "depth": "0", "fraction": 0.5, "whole": "auto", "buffers": None,
-                   "plan": "copy", "dequant": "kernel", "route": "uniform", "graphs": "off"}
+                   "plan": "copy", "dequant": "kernel", "route": "uniform", "graphs": "auto"}
     got = prefill_split.parse_spec("bf16:24:1:0.25:on:3:compute:torch:rebal-frozen:on")
     assert (got["buffers"], got["plan"], got["dequant"], got["route"], got["graphs"]) == (3, "compute", "torch", "rebal-frozen", "on")
     for bad, word in (("int8:auto:0:0.5:auto::copy:kernel:zipf", "route"), ("int8:auto:0:0.5:maybe", "whole"),
@@ -118,7 +118,7 @@ def test_a_frozen_rebalancer_moves_nothing_while_timed(tmp_path, monkeypatch):
     assert got[frozen]["layout"]["timed"] == got[frozen]["layout"]["end"]
     assert got[frozen]["rebalancer"]["in_flight"] == 0
     assert got[live]["rebalancer"]["rebalances"] > got[frozen]["rebalancer"]["rebalances"]
-    assert got[live]["whole_graphs"]["on"] == 0 and got[frozen]["whole_graphs"]["on"] == 1  # the graphs field
+    assert got[live]["whole_graphs"]["on"] == 0 and got[frozen]["whole_graphs"]["on"] == 1  # auto (off on the CPU), on
     assert got[frozen]["whole_graphs"]["failed"] == 0
     kernels = json.loads(out.read_text())["all_gpu"]["kernels"]
     assert kernels["experts_calls"] == 3

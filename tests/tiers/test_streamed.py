@@ -801,10 +801,11 @@ def test_a_whole_layer_call_runs_its_held_experts_after_parts_0_and_1(packed_fac
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_whole_layer_calls_through_graphs_equal_the_eager_calls(precision, device, packed_factory):
-    """With ``whole_graphs`` on, a whole-layer call's plan and windows run eagerly, then are
-    captured, then replay (on the CPU through ``HostGraph``): every call's output equals the same
-    call's through the path that waits for its routing, inputs changing between calls of the same shapes (rows routed to the
-    sentinel id among them, which no window writes), and the calls count as before."""
+    """With ``whole_graphs`` on (by default with CUDA), a whole-layer call's plan and windows run
+    eagerly, then are captured, then replay (on the CPU through ``HostGraph``): every call's
+    output equals the same call's through the path that waits for its routing, inputs changing
+    between calls of the same shapes (rows routed to the sentinel id among them, which no window
+    writes), and the calls count as before."""
     from tiers.graphs import DecodeGraphs
 
     model = tiers.load(packed_factory("qwen3_moe"), _cfg(precision), device=device, progress=False)
@@ -814,7 +815,7 @@ def test_whole_layer_calls_through_graphs_equal_the_eager_calls(precision, devic
         for *_, mod, _, idx, _ in calls:
             idx[r::7, r % idx.shape[1]] = mod.num_experts
     assert rounds[0] and all(mgr.whole_layer(c[0], *c[4].shape) for c in rounds[0])
-    assert not mgr.whole_graphs.enabled  # off unless asked
+    assert mgr.whole_graphs.enabled == (device.type == "cuda")  # on by default with CUDA
     mgr.whole_calls = False  # the reference: the calls that wait for their routing
     with torch.no_grad():
         want = [[mod(x, idx, w) for _, _, mod, x, idx, w in calls] for calls in rounds]
@@ -826,9 +827,10 @@ def test_whole_layer_calls_through_graphs_equal_the_eager_calls(precision, devic
     for r, (a_round, b_round) in enumerate(zip(want, got)):
         for (layer, *_), a, b in zip(rounds[r], a_round, b_round):
             _assert_close(a, b, device, f"round {r}, layer {layer}")
-    counts = mgr.whole_graphs.counts()
-    assert counts["failed"] == 0 and counts["captured"] > 0 and counts["replayed"] > counts["captured"], counts
     s = mgr.stats()
+    counts = s.whole_graphs
+    assert counts == mgr.whole_graphs.counts() and "their plans and windows" in str(s)
+    assert counts["failed"] == 0 and counts["captured"] > 0 and counts["replayed"] > counts["captured"], counts
     assert s.streamed["whole"] == s.streamed["calls"] == sum(map(len, rounds))
     _assert_consistent(mgr)
 
