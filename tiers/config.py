@@ -45,6 +45,7 @@ class GpuTier:
     compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
     prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off
     decode_graphs: bool = True  # in generate's decode stage on CUDA, replay the experts calls as CUDA graphs (tiers.graphs)
+    prefill_graphs: bool = True  # on CUDA, replay whole-layer calls' plans and windows as CUDA graphs where shapes recur
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
-    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs"})
+    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs",
+                                                     "prefill_graphs"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads", "direct_io"})
     d = TiersConfig()
@@ -164,7 +166,8 @@ def parse_config(doc: Any) -> TiersConfig:
     if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 8:
         raise ValueError(f"tiers.gpu.prefetch_depth: expected an integer in [0, 8], got {depth!r}")
     gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache,
-                  float(decay), compute, depth, _flag(g, "tiers.gpu", "decode_graphs", d.gpu.decode_graphs))
+                  float(decay), compute, depth, _flag(g, "tiers.gpu", "decode_graphs", d.gpu.decode_graphs),
+                  _flag(g, "tiers.gpu", "prefill_graphs", d.gpu.prefill_graphs))
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))

@@ -313,7 +313,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self.stream_ahead = False  # ... and then stage the next layer's first warm experts (slower in the H200 prefill A/Bs)
         self.whole_calls = True  # ... and the longest read their whole layer without a sync (tiers.streamed)
         # ... whose plan and per-window kernels replay as CUDA graphs where a call's shapes recur
-        self.whole_graphs = DecodeGraphs(device, self.WHOLE_GRAPHS and device.type == "cuda")
+        self.whole_graphs = DecodeGraphs(device, cfg.gpu.prefill_graphs and device.type == "cuda")
         self.whole_outs: dict[tuple, torch.Tensor] = {}  # their summed outputs' buffers, by shape (the last two)
         self.unsettled: deque = deque()  # whole-layer calls not yet counted, in call order
         self.used_share: dict[int, float] = {}  # per layer: the share of its warm experts its last long call used

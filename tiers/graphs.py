@@ -10,7 +10,7 @@ offloaded arm, whatever it moved (``bench/results/bench-qwen3_moe-run29.md``). A
 the same kernels with one launch from the host. The slabs never move and the direct tables
 are rewritten in place (``tiers.direct``), so the addresses a graph holds stay valid.
 
-A second cache, ``TierManager.whole_graphs`` (``WHOLE_GRAPHS``), replays a whole-layer prefill
+A second cache, ``TierManager.whole_graphs`` (``tiers.gpu.prefill_graphs``), replays a whole-layer prefill
 call's plan and each of its windows' kernels the same way, where a call's shapes and slots
 recur (``tiers.integration._grouped_whole``).
 

@@ -311,6 +311,7 @@ def run(args) -> dict:
         # what whole-layer calls read without a row routed to it (counted in the bytes moved)
         extra["prefill_unused_bytes"] = ps.streamed.get("unused_bytes", 0) / prefill_reps
         extra["prefill_whole_calls"] = ps.streamed.get("whole", 0) / prefill_reps
+        extra["prefill_graphs"] = ps.whole_graphs  # whole-layer calls' plans and windows over the timed prefills
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, "paired_all_gpu_ms_per_token": paired_decode_ms, **extra}
         mgr.close()
         return row

@@ -131,6 +131,10 @@ def test_config_key():
     assert parse_config({"tiers": {"gpu": {"decode_graphs": False}}}).gpu.decode_graphs is False
     with pytest.raises(ValueError, match="tiers.gpu.decode_graphs"):
         parse_config({"tiers": {"gpu": {"decode_graphs": 1}}})
+    assert parse_config(None).gpu.prefill_graphs is True
+    assert parse_config({"tiers": {"gpu": {"prefill_graphs": False}}}).gpu.prefill_graphs is False
+    with pytest.raises(ValueError, match="tiers.gpu.prefill_graphs"):
+        parse_config({"tiers": {"gpu": {"prefill_graphs": "yes"}}})
 
 
 # -- property test: whatever the order of keys, shapes and table rebuilds, every result is the step's

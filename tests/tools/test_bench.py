@@ -48,6 +48,7 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     md = (tmp_path / "bench-mixtral-tiny.md").read_text()
     assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md
     assert t["config"]["tiers"]["gpu"]["decode_graphs"] is True and "decode_graphs" in t  # the YAML default, and the arm's counts
+    assert t["prefill_graphs"]["on"] == 0 and set(t["prefill_graphs"]) >= {"captured", "replayed", "failed"}  # off without CUDA
 
 
 def test_decode_graphs_flag_reaches_the_tiers_arms(tmp_path):
