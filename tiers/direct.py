@@ -323,9 +323,15 @@ class DirectDecoder:
             return False
         if layer in self._direct_layers and picks <= len(r.slots):
             return True
-        if r.every:
-            self._release(pool)
+        self._leave_direct(pool)
         return False
+
+    def _leave_direct(self, pool: Any) -> None:
+        """A call of ``pool`` takes the host-routed path: if its reserved slots are all the pool's
+        staging slots, they go back first (``_release``), since that path needs some."""
+        r = self._reserved.get(id(pool))
+        if r is not None and r.every:
+            self._release(pool)
 
     def fetch_direct(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor | None:
         """The slot of each pick (int64, shaped as ``top_k_index``), with every miss decoded into
@@ -340,9 +346,7 @@ class DirectDecoder:
                 self._refresh_direct()
         d = self._direct_layers.get(layer)
         if d is None:
-            r = self._reserved.get(id(self.pool_of[layer]))
-            if r is not None and r.every:
-                self._release(self.pool_of[layer])  # the host-routed path this call takes needs staging slots
+            self._leave_direct(self.pool_of[layer])
             return None
         flat = top_k_index.reshape(-1)
         cache, row = self._reserved[id(d.pool)].cache, self.table.grid.row[layer]
