@@ -18,10 +18,14 @@ Contract: ``run(key, bound, step, inputs)`` returns what ``step(*inputs)`` retur
 a tuple of tensors, possibly one of its inputs as it is). ``step``
 must be a function of its inputs and of the tensors listed in ``bound`` (every other tensor it
 reads or writes), free of host syncs and of host-visible results. The first call with a key
-(or with other ``bound`` tensors than before) runs ``step`` eagerly: it warms up kernels and
+runs ``step`` eagerly: it warms up kernels and
 libraries. The next one captures it into a graph with static copies of the inputs, and every
-later call copies its inputs there and replays. A step that cannot be captured (a host sync in
-it, say) runs eagerly from then on. The returned tensors are fresh copies: the graph's own
+later call copies its inputs there and replays. A call whose ``bound`` tensors changed since the
+key's last call captures at once if that key has only warmed up so far or has replayed twice
+since its tensors last changed (a step that binds another graph's outputs sees them change when
+that graph is captured); otherwise it warms up again, so tensors that change on every call do
+not pay a capture each. A step that cannot be captured (a host sync in it, say) runs eagerly
+from then on. The returned tensors are fresh copies: the graph's own
 outputs are overwritten by its next replay.
 
 Invariant: a graph is replayed only with the very tensors it was captured with: ``bound``'s
@@ -120,6 +124,7 @@ class _Entry:
     graph: Any = None  # None: seen once, eagerly
     inputs: tuple[torch.Tensor, ...] = ()
     eager: bool = False  # its capture failed: eager from now on
+    replays: int = 0  # replays since its bound tensors last changed
     kept: list = field(default_factory=list)  # the bound tensors themselves, alive as long as the graph
 
 
@@ -149,7 +154,12 @@ class DecodeGraphs:
         key = (key, tuple((tuple(x.shape), x.dtype, x.device) for x in inputs))
         sig = signature(bound)
         entry = self._entries.get(key)
-        if entry is None or entry.bound != sig:
+        if entry is not None and entry.bound != sig and not entry.eager and (entry.graph is None or entry.replays > 1):
+            # warmed up with these shapes already: capture with the new tensors at once (a step
+            # whose bound tensors are an earlier graph's outputs sees them change once, when that
+            # graph is captured); tensors that change again before a second replay warm up again
+            self._entries[key] = entry = _Entry(sig)
+        elif entry is None or entry.bound != sig:
             if len(self._entries) >= self.MAX_GRAPHS:
                 self._entries.pop(next(iter(self._entries)))
             self._entries[key] = _Entry(sig)
@@ -176,6 +186,7 @@ class DecodeGraphs:
             for dst, x in zip(entry.inputs, inputs):
                 dst.copy_(x)
         self.replayed += 1
+        entry.replays += 1
         out = entry.graph.replay()
         if not fresh:
             return out

@@ -545,16 +545,19 @@ def _slot_runs(slots: list[int]) -> list[tuple[int, int]]:
 class _WholePlan:
     """A whole-layer call's plan, made on the host from its slots alone (no routing).
 
-    Every expert's rows get ``_stream_keys``' sort key. Each group's slots split into windows,
-    one per grouped GEMM; a window's bounds are the keys of its first slot and one past each of
-    its slots, so one ``searchsorted`` of them in the sorted keys gives every window's first row
-    and per-slot row ends."""
+    Every expert's rows get ``_stream_keys``' sort key ``group * n_slots + slot``. The call's
+    bounds are those keys for every group and every slot ``0..n_slots`` in a fixed order, bound
+    ``group * (n_slots + 1) + slot`` (the universe of the call's ``n_groups`` groups), so one
+    ``searchsorted`` of them in the sorted keys gives every slot's first row, and a window's
+    first bound is a function of its own group and first slot alone: a window's graph
+    (``TierManager.whole_graphs``) stays valid while the layout of the other windows changes,
+    and the plan's own shapes change only with the number of groups and of windows. Each
+    group's slots split into windows, one per grouped GEMM."""
 
     key_of: list[int]  # expert id (sentinel included) -> sort key
+    n_groups: int
     segments: list[tuple[int, int, int, int]]  # (group, lo, hi, index of its first bound), in group order
-    bounds: list[int]
-    base: list[int]  # per bound: the index of its window's first bound
-    ends: list[tuple[int, int]]  # (expert, index of the bound its rows end at)
+    ends: list[tuple[int, int]]  # (expert, index of the bound its rows end at; they start at the one before)
 
 
 def _stream_keys(s, num_experts: int) -> tuple[list[list[tuple[int, int]]], list[int]]:
@@ -571,21 +574,15 @@ def _stream_keys(s, num_experts: int) -> tuple[list[list[tuple[int, int]]], list
 
 
 def _whole_plan(s, num_experts: int) -> _WholePlan:
-    n_slots = s.pool.n_slots
+    span = s.pool.n_slots + 1  # bounds per group
     groups, key_of = _stream_keys(s, num_experts)
-    segments, bounds, base, ends = [], [], [], []
+    segments, ends = [], []
     for g, pairs in enumerate(groups):
         expert_at = dict(pairs)  # slot -> expert
         for lo, hi in _slot_runs(sorted(expert_at)):
-            first = len(bounds)
-            segments.append((g, lo, hi, first))
-            bounds.append(g * n_slots + lo)
-            for slot in range(lo, hi):
-                bounds.append(g * n_slots + slot + 1)
-                if slot in expert_at:
-                    ends.append((expert_at[slot], len(bounds) - 1))
-            base.extend([first] * (hi - lo + 1))
-    return _WholePlan(key_of, segments, bounds, base, ends)
+            segments.append((g, lo, hi, g * span + lo))
+        ends.extend((e, g * span + slot + 1) for slot, e in pairs)
+    return _WholePlan(key_of, len(groups), segments, ends)
 
 
 def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights) -> torch.Tensor | None:
@@ -608,7 +605,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
         lasts = [f + hi - lo for _, lo, hi, f in plan.segments]
         # the plan goes up on the copy stream ahead of the parts' reads: on the compute stream it
         # would wait for the copy engine to finish the first parts' reads
-        uploaded = mgr.upload_int_lists([plan.key_of, plan.bounds, plan.base, firsts, lasts],
+        uploaded = mgr.upload_int_lists([plan.key_of, firsts, lasts, [i for _, i in plan.ends]],
                                         on=mgr.copy_stream if mgr.WHOLE_PLAN_ON_COPY else None)
         for p in range(min(len(s.buffers), len(s.parts))):
             mgr.stream_part(s, p)
@@ -616,12 +613,19 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
         cap = T * min(k, max(hi - lo for _, lo, hi, _ in plan.segments))
         out = mgr.whole_out((rows_n + 1, hidden_states.shape[-1]), torch.promote_types(s.pool.dtype, top_k_weights.dtype),
                             hidden_states.device)  # [T*k + 1, H] as the GEMMs' rows times their weights
-        has_bias = self.has_bias
+        has_bias, span = self.has_bias, n_slots + 1
+        n_bounds = plan.n_groups * span
 
-        def plan_step(key_map, bounds, base, first_at, last_at, top_k_index, top_k_weights, hidden_states):
+        def plan_step(key_map, first_at, last_at, end_at, top_k_index, top_k_weights, hidden_states):
             sorted_keys, order = torch.sort(key_map[top_k_index.reshape(-1)], stable=True)  # [T*k]
-            at = torch.searchsorted(sorted_keys, bounds)  # [B] rows before each bound
-            offs = (at - at[base]).to(torch.int32)  # [B] per window slot: its rows' end, from the window's first row
+            u = torch.arange(n_bounds, device=sorted_keys.device)  # bound g * span + s is key g * n_slots + s
+            at = torch.searchsorted(sorted_keys, (u - u // span).to(sorted_keys.dtype))  # [U] rows before each bound
+            # per bound: its window's first bound (the last first at or before it), and its rows'
+            # end from that window's first row (bounds outside windows: unused)
+            first = torch.zeros(n_bounds, dtype=torch.bool, device=u.device).index_fill_(0, first_at.long(), True)
+            base = torch.where(first, u, 0).cummax(0).values
+            offs = (at - at[base]).to(torch.int32)  # [U]
+            routed = at[end_at] - at[end_at - 1]  # [E] rows per expert, in plan.ends' order
             pos = at[first_at].unsqueeze(1) + torch.arange(cap, device=at.device)  # [S, cap] sorted row of each buffer row
             valid = pos < at[last_at].unsqueeze(1)
             src = order[pos.clamp_(max=rows_n - 1)]  # [S, cap] flat (token, pick) row
@@ -629,14 +633,14 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
             tok = torch.div(src, k, rounding_mode="floor")  # [S, cap]
             weights = top_k_weights.reshape(-1)[src].unsqueeze(-1)  # [S, cap, 1]
             out.zero_()
-            got = (hidden_states, at, offs, tok, weights, dest)
+            got = (hidden_states, routed, offs, tok, weights, dest)
             return got + (sorted_keys[pos] % n_slots,) if has_bias else got
 
         # the plan's outputs (and the hidden states) are a graph's static tensors once it replays,
         # which the windows' graphs bind
-        planned = mgr.whole_graphs.run(("whole_plan", layer, cap, n_slots), (out,), plan_step,
+        planned = mgr.whole_graphs.run(("whole_plan", layer, cap, n_slots, plan.n_groups), (out,), plan_step,
                                        (*uploaded, top_k_index, top_k_weights, hidden_states), fresh=False)
-        xs_all, at, offs, tok, weights, dest = planned[:6]
+        xs_all, routed, offs, tok, weights, dest = planned[:6]
         slot_ids = planned[6] if has_bias else None
         proxy = _proxy(self, s.pool.slabs, n_slots)
         bound = (xs_all, offs, tok, weights, dest, out, slot_ids, *s.pool.slabs.values())
@@ -664,7 +668,7 @@ def _grouped_whole(self, binding: LayerBinding, hidden_states, top_k_index, top_
     finally:
         mgr.end_stream(s)
         if done:
-            mgr.defer_whole(s, at, plan.ends)
+            mgr.defer_whole(s, routed, [e for e, _ in plan.ends])
 
 
 def _grouped_in_parts(self, binding: LayerBinding, hidden_states, top_k_index, top_k_weights, counts: list[int], chunks: list[list[int]]) -> torch.Tensor:

@@ -35,7 +35,7 @@ found on the device; and the host queues the call without a sync, so it runs ahe
 next layers while the GPU computes, and the next layer's first reads queue behind this one's
 (each buffer's first reads wait on its slots' last reads, not on the whole compute stream; the
 buffer the last parts of the call before used goes last). The
-lookups the call made are counted later, in call order, once its row bounds have reached the
+lookups the call made are counted later, in call order, once its rows per expert have reached the
 host (``settle``); experts read but routed no row are counted as read in vain.
 """
 from __future__ import annotations
@@ -79,8 +79,8 @@ class Whole:
     predicted: list[int] | None  # the prediction made for this layer, scored when settled
     took: dict[int, int | None] = field(default_factory=dict)  # cached experts used in place -> bytes if read ahead
     read: list[int] = field(default_factory=list)  # experts read from the warm pool
-    ends: list[tuple[int, int]] = field(default_factory=list)  # (expert, i): its rows end at bound i, start at bound i - 1
-    bounds: Any = None  # the call's row bounds (host, filled by a copy without a sync)
+    experts: list[int] = field(default_factory=list)  # the layer's experts, in the order of ``rows``
+    rows: Any = None  # the rows routed to each (host, filled by a copy without a sync)
     done: Any = None  # recorded after that copy
 
 
@@ -307,7 +307,7 @@ class StreamedCalls:
     WHOLE_LAYER_ROWS = 1 << 17  # ... and at most this many (token, pick) rows: each part gathers up to T·k of them
     WHOLE_LAYER_USED = 0.9  # ... and the layer's last such call used at least this share of the warm experts it could
     # Whole-layer calls are counted at the next call that waits for its routing (or at stats), or,
-    # once this many wait, as their bounds land: on the H200, counting each at the next one's
+    # once this many wait, as their rows land: on the H200, counting each at the next one's
     # start took 0.45 ms of a Qwen3-30B-A3B layer's 12 ms of host time (prefill_split-*-whole.json).
     UNSETTLED_CALLS = 64
 
@@ -341,23 +341,23 @@ class StreamedCalls:
         used = set(experts)
         self.used_share[layer] = sum(e in used for e in warm) / len(warm) if warm else 1.0
 
-    def defer_whole(self, s: Stream, bounds: torch.Tensor, ends: list[tuple[int, int]]) -> None:
-        """A whole-layer call's kernels are queued: copy its row bounds (``[B]`` on the device) to
-        the host without a sync; ``settle`` counts the call. ``ends``: (expert, i) for every expert
-        of the layer, whose rows lie between bounds ``i - 1`` and ``i``."""
+    def defer_whole(self, s: Stream, rows: torch.Tensor, experts: list[int]) -> None:
+        """A whole-layer call's kernels are queued: copy the rows routed to each of ``experts``
+        (``rows``, on the device, in their order) to the host without a sync; ``settle`` counts
+        the call."""
         w = s.whole
-        w.ends = ends
-        if bounds.device.type == "cuda":
-            w.bounds = torch.empty(bounds.shape, dtype=bounds.dtype, pin_memory=True)
-            w.bounds.copy_(bounds, non_blocking=True)
+        w.experts = experts
+        if rows.device.type == "cuda":
+            w.rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            w.rows.copy_(rows, non_blocking=True)
         else:
-            w.bounds = bounds.clone()
+            w.rows = rows.clone()
         w.done = self.streams.event()
         w.done.record(self.streams.current())
         self.unsettled.append(s)
 
     def settle(self, block: bool = True) -> None:
-        """Count the whole-layer calls whose row bounds have reached the host, in call order:
+        """Count the whole-layer calls whose rows per expert have reached the host, in call order:
         every one, waiting for them, when ``block`` (before any other call, and before stats)."""
         while self.unsettled:
             s = self.unsettled[0]
@@ -373,8 +373,7 @@ class StreamedCalls:
         experts it read that no row was routed to; and, as waste, read-aheads it took from the
         cache unused."""
         w, layer = s.whole, s.layer
-        at = w.bounds.tolist()
-        used = sorted(e for e, i in w.ends if at[i] > at[i - 1])
+        used = sorted(e for e, n in zip(w.experts, w.rows.tolist()) if n > 0)
         self.score_prediction(w.predicted, used)
         self.begin_call(layer, used, w.tokens)
         self.note_share(layer, used, w.tokens, w.top_k)

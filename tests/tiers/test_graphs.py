@@ -71,8 +71,8 @@ def test_static_output_when_not_fresh():
 
 
 def test_new_bound_tensors_recapture():
-    """A table rebuilt as a new tensor: the cached graph is dropped, the call warms up again and a
-    new graph is captured; no replay ever runs with the old tensor."""
+    """A table rebuilt as a new tensor: the cached graph is dropped and, the key warm already, a new
+    graph is captured at once; no replay ever runs with the old tensor."""
     holder = {"t": torch.tensor([2.0, 0.0])}
     g = DecodeGraphs(torch.device("cpu"), True, graph=lambda: CheckedGraph(lambda: signature([holder["t"]])))
     x = torch.ones(2)
@@ -81,10 +81,35 @@ def test_new_bound_tensors_recapture():
     holder["t"] = torch.tensor([5.0, 0.0])
     for _ in range(3):
         assert g.run("k", (holder["t"],), _affine(holder["t"]), (x,)).tolist() == [5.0, 5.0]
-    assert (g.captured, g.eager_calls, g.replayed) == (2, 2, 4)
+    assert (g.captured, g.eager_calls, g.replayed) == (2, 1, 5)
     # rewritten in place: the same graph, the new values
     holder["t"].copy_(torch.tensor([7.0, 1.0]))
     assert g.run("k", (holder["t"],), _affine(holder["t"]), (x,)).tolist() == [8.0, 8.0] and g.captured == 2
+
+
+def test_tensors_that_change_on_every_call_capture_every_other_call():
+    """A bound tensor new on every call: a capture, then a warm-up, in turn (not a capture per
+    call), every result that of its own tensor."""
+    holder = {}
+    g = DecodeGraphs(torch.device("cpu"), True, graph=lambda: CheckedGraph(lambda: signature([holder["t"]])))
+    for i in range(6):
+        holder["t"] = torch.tensor([float(i), 0.0])
+        assert g.run("k", (holder["t"],), _affine(holder["t"]), (torch.ones(1),)).item() == i
+    assert (g.captured, g.eager_calls, g.replayed) == (3, 3, 3)
+
+
+def test_a_step_bound_to_another_graphs_outputs_captures_when_that_graph_does():
+    """The second step binds the first one's output (``fresh=False``): when the first graph is
+    captured its output becomes the graph's own tensor, and the second, warm already, captures
+    with it in the same call instead of warming up again; both replay from the third call."""
+    g = DecodeGraphs(torch.device("cpu"), True)
+    table = torch.tensor([2.0, 1.0])
+    for i in range(4):
+        x = torch.full((3,), float(i))
+        planned = g.run("plan", (table,), _affine(table), (x,), fresh=False)
+        out = g.run("window", (planned,), lambda: planned * 10, ())
+        assert out.tolist() == [(2 * i + 1) * 10.0] * 3
+    assert (g.captured, g.eager_calls, g.replayed) == (2, 2, 6)
 
 
 def test_other_shapes_are_other_graphs():
@@ -148,7 +173,7 @@ def test_results_always_equal_the_eager_step(calls):
     tables = {k: torch.tensor([float(k + 2), 1.0]) for k in range(3)}
     current = {}
     g = DecodeGraphs(torch.device("cpu"), True, graph=lambda: CheckedGraph(lambda: current["sig"]))
-    seen = Counter()
+    warm = Counter()  # eager calls per key and shape
     for i, (key, n, op) in enumerate(calls):
         if op == "rebuild":
             tables[key] = tables[key] + 1.0  # a new tensor
@@ -157,12 +182,15 @@ def test_results_always_equal_the_eager_step(calls):
         t = tables[key]
         current["sig"] = signature([t])
         x = torch.arange(n, dtype=torch.float32) + i
+        before = g.counts()
         got = g.run(key, (t,), _affine(t), (x,))
         assert torch.equal(got, x * t[0] + t[1])
-        seen[key] += 1
+        after = g.counts()
+        if after["captured"] > before["captured"]:
+            assert warm[key, n], "each capture follows a warm-up with the same key and shapes"
+        warm[key, n] += after["eager"] - before["eager"]
     c = g.counts()
     assert c["replayed"] + c["eager"] == len(calls)
-    assert c["captured"] <= c["eager"], "each capture follows a warm-up with the same key and tensors"
 
 
 # -- end to end ---------------------------------------------------------------------------------

@@ -673,7 +673,7 @@ def test_whole_layer_calls_settle_in_call_order_and_only_once_landed(buffers, pa
             mgr.wait_part(s, p)
             mgr.end_part(s, p)
         mgr.end_stream(s)
-        mgr.defer_whole(s, torch.zeros(1, dtype=torch.int64), [])
+        mgr.defer_whole(s, torch.zeros(0, dtype=torch.int64), [])
         streams.append(s)
 
     class Pending:
@@ -848,3 +848,30 @@ def test_whole_layer_outputs_keep_the_last_two_shapes(packed_factory):
     mgr.whole_out((6, 2), torch.float32, torch.device("cpu"))  # a third shape: the least recent (5, 2) goes
     assert mgr.whole_out((4, 2), torch.float32, torch.device("cpu")) is a
     assert mgr.whole_out((5, 2), torch.float32, torch.device("cpu")) is not b
+
+
+def _fake_stream(n_slots: int, held: dict[int, int], parts: list[dict[int, int]]):
+    """What ``_whole_plan`` reads of a stream: the pool's slot count, the held experts' slots,
+    and each part's experts and slots (``{slot: expert}``)."""
+    from types import SimpleNamespace
+
+    handles = [SimpleNamespace(slot=slot, key=ExpertKey(0, e)) for slot, e in held.items()]
+    return SimpleNamespace(pool=SimpleNamespace(n_slots=n_slots), held=handles,
+                           parts=[list(p.values()) for p in parts], slots=lambda p: list(parts[p]))
+
+
+def test_a_whole_plans_windows_do_not_move_with_the_other_windows():
+    """A window's first bound is its group's and first slot's alone: when the held experts' slots
+    change (a rebalance), the parts' windows keep their bounds, so their graphs stay valid; and
+    every expert's rows end at the bound after its own (group, slot)."""
+    from tiers.integration import _whole_plan
+
+    parts = [{12: 5, 13: 6, 14: 7}, {16: 8, 17: 9}]
+    a = _whole_plan(_fake_stream(20, {0: 0, 1: 1, 2: 2, 3: 3, 4: 4}, parts), 10)
+    b = _whole_plan(_fake_stream(20, {2: 0, 19: 1, 3: 2, 4: 3, 5: 4}, parts), 10)  # other slots, split by WINDOW_GAP
+    assert a.n_groups == b.n_groups == 3
+    assert [seg for seg in a.segments if seg[0] > 0] == [seg for seg in b.segments if seg[0] > 0] == [(1, 12, 15, 33), (2, 16, 18, 58)]
+    assert a.segments[0] == (0, 0, 5, 0) and b.segments[:2] == [(0, 2, 6, 2), (0, 19, 20, 19)]
+    ends = dict(b.ends)
+    assert ends == {0: 3, 1: 20, 2: 4, 3: 5, 4: 6, 5: 34, 6: 35, 7: 36, 8: 59, 9: 60}
+    assert b.key_of[1] == 19 and b.key_of[8] == 2 * 20 + 16 and b.key_of[10] > 3 * 20  # the sentinel after every group
