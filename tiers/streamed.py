@@ -96,6 +96,7 @@ class StreamedCalls:
     # A whole-layer call uploads its plan on the copy stream, ahead of its reads (False: on the
     # compute stream, where it waits for the reads under way; kept for A/B runs).
     WHOLE_PLAN_ON_COPY = True
+
     def whole_out(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The buffer a whole-layer call's windows write their rows into: one per shape, kept for
         the graphs that write it while its shape recurs (the last two shapes), else a new one."""
