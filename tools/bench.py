@@ -19,7 +19,8 @@ layers, by default), saves and packs it, then measures each arm in one run:
 
 Per arm: decode ms/token and tok/s at batch 1 (Tiers arms also against an all-GPU measurement of
 the same routing, its repetitions interleaved with theirs; each repetition's pair of decodes is in
-the JSON too), prefill time, bytes moved per token per source
+the JSON too; and ``--interleave`` decode steps of the arm and that model taking turns, each step
+timed alone, ``tools.measure.interleaved_decode``), prefill time, bytes moved per token per source
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 ``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
@@ -55,7 +56,8 @@ TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25
 from tiers.cache import POLICIES  # noqa: E402
 from tiers.config import TiersConfig  # noqa: E402
 from tools.measure import (  # noqa: E402
-    SHAPES, TINY, build, copy_sweep, decode_ms_per_token, expert_modules, lazy_experts_forward, prefill_seconds, sync, write_result,
+    SHAPES, TINY, block_means, build, copy_sweep, decode_ms_per_token, expert_modules, interleaved_decode, lazy_experts_forward,
+    prefill_seconds, sync, write_result,
 )
 
 
@@ -206,6 +208,20 @@ def run(args) -> dict:
         with routed(m, name):
             return tiers_measure(m, load_s, resident, name)
 
+    def interleaved(m, mgr, name) -> dict:
+        """The arm and its paired all-GPU model decoding step by step in turn
+        (``tools.measure.interleaved_decode``), and the bytes the arm moved over the timed steps."""
+        n = args.interleave
+        with routed(paired, name):
+            arm_s, pair_s = interleaved_decode([m, paired], prompt, n, device, on_start=mgr.reset_stats)
+        moved = {k: v / n for k, v in mgr.stats().bytes_moved.items()}
+        diffs = [(a - b) * 1e3 for a, b in zip(arm_s, pair_s)]
+        block = args.rebalance_every if name.endswith("@skewed") and args.rebalance_every > 0 else INTERLEAVE_BLOCK
+        return {"tokens": n, "block": block, "arm_ms_per_token": statistics.fmean(arm_s) * 1e3,
+                "pair_ms_per_token": statistics.fmean(pair_s) * 1e3, "overhead_ms_per_token": statistics.fmean(diffs),
+                "block_overhead_ms_per_token": statistics.median(block_means(diffs, block)), "bytes_moved_per_token": moved,
+                "arm_step_ms": [round(t * 1e3, 3) for t in arm_s], "pair_step_ms": [round(t * 1e3, 3) for t in pair_s]}
+
     def tiers_measure(m, load_s, resident, name):
         mgr = manager_of(m)
         arm_reps = max(reps, STATIC_ARM_REPS) if name.startswith("tiers_100") else reps
@@ -250,6 +266,7 @@ def run(args) -> dict:
                      for k in sources}
         decode_stall_ms = per_token.pop("_stall") * 1e3  # the compute stream's waits on copies, per decode token
         decode_moved = per_token
+        stepped = interleaved(m, mgr, name) if args.interleave else None
         mgr.reset_stats()
         mgr.recorded = []
         m.generate(prompt, max_new_tokens=args.tokens + 1, min_new_tokens=args.tokens + 1, do_sample=False, pad_token_id=0)
@@ -289,6 +306,8 @@ def run(args) -> dict:
             "decode_ms_per_rep": [(f - o) / args.tokens * 1e3 for (o, _), (f, _) in zip(one, full)],
             "paired_decode_ms_per_rep": [(f - o) / args.tokens * 1e3 for o, f in zip(paired_runs[1], paired_runs[args.tokens + 1])],
         }
+        if stepped is not None:
+            extra["interleaved"] = stepped
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         mgr.reset_stats()
@@ -431,6 +450,21 @@ def rep_overhead_ms(row: dict) -> float | None:
     return statistics.median(a - b for a, b in zip(arm, pair))
 
 
+# Steps per block of the interleaved decode's block statistic for arms without the rebalancer
+# (with it: one rebalance interval, so each block holds one rebalance)
+INTERLEAVE_BLOCK = 8
+
+
+def interleaved_bounds(row: dict) -> None:
+    """The interleaved decode's bytes bound (its own steps' bytes / 55 GB/s) and each overhead over it."""
+    il = row.get("interleaved")
+    if not il:
+        return
+    il["bound_ms"] = sum(il["bytes_moved_per_token"].values()) / H2D_BYTES_PER_S * 1e3
+    for key in ("overhead", "block_overhead"):
+        il[f"{key}_over_bytes_bound"] = il[f"{key}_ms_per_token"] / il["bound_ms"] if il["bound_ms"] else None
+
+
 REBALANCE_WARMUP_GENERATE = 64  # tokens per generate of the rebalancer's warm-up, at most (a short KV cache)
 
 
@@ -461,6 +495,7 @@ def add_bounds(result: dict) -> dict:
             if pair is not None:  # against the all-GPU measurement interleaved with the arm's
                 row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
                 row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / bytes_ms) if bytes_ms else None
+            interleaved_bounds(row)
             reps = rep_overhead_ms(row)
             if reps is not None:  # each repetition's arm less its pair, timed one after the other
                 row["rep_overhead_ms_per_token"] = reps
@@ -518,6 +553,22 @@ def markdown(r: dict) -> str:
         lines += [f"| {name} | {a['rep_overhead_ms_per_token']:.2f} | "
                   + ("-" if a.get("rep_overhead_over_bytes_bound") is None else f"{a['rep_overhead_over_bytes_bound']:.2f}") + " |"
                   for name, a in reps]
+    stepped = [(name, a["interleaved"]) for name, a in r["arms"].items() if a.get("interleaved")]
+    if stepped:
+        lines += ["", "Decode interleaved step by step: the arm and its paired all-GPU model taking turns, each step timed alone "
+                  "(the host's slow phases move both alike); the overhead as the mean of the per-step differences and as "
+                  "the median over blocks of steps (one rebalance interval each) of their means, each also over the bytes "
+                  "bound of the same steps:", "",
+                  "| arm | steps | arm ms/token | pair ms/token | MiB moved/token | bytes bound ms | overhead ms (/ bound) "
+                  "| block median ms (/ bound) |", "|---|---|---|---|---|---|---|---|"]
+
+        def over(x):
+            return "-" if x is None else f"{x:.2f}"
+        for name, il in stepped:
+            lines.append(f"| {name} | {il['tokens']} | {il['arm_ms_per_token']:.2f} | {il['pair_ms_per_token']:.2f} "
+                         f"| {sum(il['bytes_moved_per_token'].values()) / mib:.1f} | {il.get('bound_ms', 0):.2f} "
+                         f"| {il['overhead_ms_per_token']:.2f} ({over(il.get('overhead_over_bytes_bound'))}) "
+                         f"| {il['block_overhead_ms_per_token']:.2f} ({over(il.get('block_overhead_over_bytes_bound'))}) |")
     if r.get("cache_replay"):
         lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
                   "| trace | lookups | belady | lru | lfu | forecast | markov | forecast / belady | markov / belady |",
@@ -546,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="decode tokens per timed run")
     ap.add_argument("--prefill", type=int, default=2048, help="prefill length")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
+    ap.add_argument("--interleave", type=int, default=192,
+                    help="Tiers arms: decode steps timed in turn with the paired all-GPU model, after the repetitions (0: skip)")
     ap.add_argument("--slow-tokens", type=int, default=4, help="decode tokens for the lazy and accelerate arms (one timed run)")
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
@@ -575,6 +628,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
     args = ap.parse_args(argv)
+    block = max(INTERLEAVE_BLOCK, args.rebalance_every)
+    if args.interleave < 0 or 0 < args.interleave < block:
+        ap.error(f"--interleave: expected 0 or at least one block of {block} steps, got {args.interleave}")
     if args.rebalance_warmup < 0:
         ap.error(f"--rebalance-warmup: expected a token count >= 0, got {args.rebalance_warmup}")
     if args.cold_read_gb and not 1 <= args.cold_read_rounds <= 64:  # refused now, not after the arms have run

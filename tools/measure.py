@@ -8,6 +8,8 @@ registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends
 sync, so it measures finished work.
 """
 import atexit
+import contextlib
+import inspect
 import json
 import shutil
 import statistics
@@ -138,6 +140,50 @@ def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
     one = timed(lambda: model.generate(prompt, max_new_tokens=1, min_new_tokens=1, **kw), device, reps)
     full = timed(lambda: model.generate(prompt, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, **kw), device, reps)
     return (full - one) / tokens * 1e3
+
+
+def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_start=None) -> list[list[float]]:
+    """Seconds of each greedy decode step (batch 1, from ``prompt``) of each of ``models``, the
+    models taking turns step by step, each step timed alone between device syncs; the order
+    within a step alternates (first to last, then last to first), so neither model always
+    follows the other. Each model first runs the prompt's prefill (untimed), then decodes inside
+    its ``_optimize_model_for_decode`` context as generate's decode stage does, its own KV cache
+    growing; ``skip`` steps run untimed before ``on_start()`` is called and the timed ``steps``.
+
+    Why: the host's speed drifts in phases of seconds (1.5-2x), and a generate of a few dozen
+    tokens per model, one after the other, can fall in different phases; step i of two models
+    taking turns is a few tens of ms apart, so such a phase moves both alike."""
+    times: list[list[float]] = [[] for _ in models]
+    # the KV cache's keyword and output field: ``cache`` in newer transformers, ``past_key_values`` before
+    names = ["cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values" for m in models]
+    state = []
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for m, name in zip(models, names):
+            out = m(input_ids=prompt, use_cache=True)
+            state.append([out.logits[:, -1:].argmax(-1), out[name]])
+        for m in models:
+            enter = getattr(m, "_optimize_model_for_decode", None)
+            if enter is not None:
+                stack.enter_context(enter())
+        for step in range(skip + steps):
+            if step == skip and on_start is not None:
+                on_start()
+            order = range(len(models)) if step % 2 == 0 else range(len(models) - 1, -1, -1)
+            for i in order:
+                tok, cache = state[i]
+                sync(device)
+                t0 = time.perf_counter()
+                out = models[i](input_ids=tok, use_cache=True, **{names[i]: cache})
+                state[i] = [out.logits[:, -1:].argmax(-1), out[names[i]]]
+                sync(device)
+                if step >= skip:
+                    times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def block_means(values: list[float], block: int) -> list[float]:
+    """The means of ``values``' consecutive whole blocks of ``block`` (a partial last block dropped)."""
+    return [statistics.fmean(values[i : i + block]) for i in range(0, len(values) - block + 1, block)]
 
 
 def prefill_seconds(model, ids, device, reps: int) -> float:

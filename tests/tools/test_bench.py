@@ -16,7 +16,7 @@ def test_tiny_bench_runs_and_reports(tmp_path):
 
     default = TierManager.DECODE_BYTES
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--direct-decode-mib", "any",
-                     "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8,tiers_0_int8", "--out", str(tmp_path)])
+                     "--interleave", "16", "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8,tiers_0_int8", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
     assert r["direct_decode_bytes"] is None and TierManager.DECODE_BYTES == default, "the bound is the run's alone"
@@ -45,8 +45,18 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert replay_hits <= optimum
     for row in r["cache_replay"].values():
         assert all(row[p] <= row["belady"] for p in ("lru", "lfu", "forecast", "markov"))
+    # the interleaved decode: 16 timed steps of the arm and of its pair, in 2 blocks of 8, and the bytes of those steps
+    il = t["interleaved"]
+    assert il["tokens"] == 16 and il["block"] == bench.INTERLEAVE_BLOCK and len(il["arm_step_ms"]) == len(il["pair_step_ms"]) == 16
+    diffs = [a - b for a, b in zip(il["arm_step_ms"], il["pair_step_ms"])]
+    assert il["overhead_ms_per_token"] == pytest.approx(statistics.fmean(diffs), abs=1e-3)
+    assert il["block_overhead_ms_per_token"] == pytest.approx(statistics.fmean(diffs), abs=1e-3)  # the median of 2 is their mean
+    il_moved = sum(il["bytes_moved_per_token"].values())
+    assert il_moved > 0 and il["bound_ms"] == pytest.approx(il_moved / bench.H2D_BYTES_PER_S * 1e3)
+    assert il["overhead_over_bytes_bound"] == pytest.approx(il["overhead_ms_per_token"] / il["bound_ms"])
+    assert r["arms"]["tiers_100_bf16"]["interleaved"]["overhead_over_bytes_bound"] is None  # nothing moved: no ratio
     md = (tmp_path / "bench-mixtral-tiny.md").read_text()
-    assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md
+    assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md and "Decode interleaved step by step" in md
     assert t["config"]["tiers"]["gpu"]["decode_graphs"] is True and "decode_graphs" in t  # the YAML default, and the arm's counts
     assert t["prefill_graphs"]["on"] == 0 and set(t["prefill_graphs"]) >= {"captured", "replayed", "failed"}  # off without CUDA
 
@@ -209,6 +219,11 @@ def test_bad_cold_read_rounds_are_refused_before_any_arm_runs(tmp_path, capsys, 
     with pytest.raises(SystemExit) as e:
         bench.main(["--tiny", "--device", "cpu", "--cold-read-gb", "0.01", "--cold-read-rounds", "0", "--out", str(tmp_path)])
     assert e.value.code == 2 and "--cold-read-rounds" in capsys.readouterr().err
+    # the interleaved decode needs one whole block (one rebalance interval where that is longer)
+    for bad in (["--interleave", "-1"], ["--interleave", "7"], ["--interleave", "12", "--rebalance-every", "16"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--tiny", "--device", "cpu", *bad, "--out", str(tmp_path)])
+        assert e.value.code == 2 and "--interleave" in capsys.readouterr().err, bad
 
 
 def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monkeypatch):

@@ -81,3 +81,32 @@ def test_steps_label_each_call_by_split_and_clear_keeps_the_wrappers():
     assert steps.calls == {"other": 1}
     steps.restore()
     assert "step" not in vars(obj) and obj.step(5) == 6
+
+
+def test_interleaved_decode_takes_turns_and_decodes_as_generate():
+    """Two models step in turn, the order alternating step by step; each decodes greedily what its
+    own generate would (the inputs of its decode steps are generate's tokens); ``on_start`` comes
+    after the untimed steps; one time per timed step and model."""
+    import torch
+
+    from tools.measure import TINY, block_means, build, interleaved_decode
+
+    a, b = build("qwen3_moe", TINY["qwen3_moe"], torch.device("cpu"), seed=0), build("qwen3_moe", TINY["qwen3_moe"], torch.device("cpu"), seed=1)
+    prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(3))
+    skip, steps = 2, 5
+    calls: list[tuple[str, list[int]]] = []
+    handles = [m.register_forward_pre_hook(lambda mod, args, kw, who=who: calls.append((who, kw["input_ids"][0].tolist())), with_kwargs=True)
+               for who, m in (("a", a), ("b", b))]
+    started: list[int] = []
+    times = interleaved_decode([a, b], prompt, steps, torch.device("cpu"), skip=skip, on_start=lambda: started.append(len(calls)))
+    for h in handles:
+        h.remove()
+    assert [who for who, _ in calls] == ["a", "b"] + ["a", "b", "b", "a"] * 3 + ["a", "b"]  # prefills, then alternating turns
+    assert started == [2 + 2 * skip]
+    assert [len(t) for t in times] == [steps, steps] and min(times[0] + times[1]) > 0
+    for who, m in (("a", a), ("b", b)):
+        fed = [ids for w, ids in calls if w == who]
+        assert fed[0] == prompt[0].tolist() and all(len(ids) == 1 for ids in fed[1:])
+        gen = m.generate(prompt, max_new_tokens=skip + steps, min_new_tokens=skip + steps, do_sample=False, pad_token_id=0)
+        assert [ids[0] for ids in fed[1:]] == gen[0, prompt.shape[1]:].tolist(), who
+    assert block_means([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.5, 3.5] and block_means([1.0], 2) == []
