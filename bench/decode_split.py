@@ -42,6 +42,9 @@ Variants, to find where an arm's host time goes (each ``~name`` before the ``@``
   as it is by default now; it was 32 MiB in transfer form when this variant was added).
 - ``~hostlarge``: the former bound: experts above 32 MiB in transfer form (Mixtral-8x7B's) keep
   the host-routed path in decode.
+- ``~omp1``: torch's intra-op threads at 1 for the arm, from before it loads (its reader and
+  rebalance threads then run their host copies on one thread each, not on a team of OpenMP
+  threads per calling thread, whose workers spin for a while after each copy).
 - ``~alwaysdirect``: every decode stage direct (``DirectDecoder.DIRECT_MISS_BYTES`` unbounded: no
   stage gives way to the host-routed path however many bytes its calls miss).
 
@@ -135,7 +138,7 @@ class Clock:
                    "token_ms_all": [round(r["token_ms"], 3) for r in rows]})
 
 
-VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect", "hostlarge", "alwaysdirect")
+VARIANTS = ("idle", "inline", "gcoff", "switch", "nograph", "largedirect", "hostlarge", "alwaysdirect", "omp1")
 
 
 @contextlib.contextmanager
@@ -165,7 +168,7 @@ def top_functions(prof: cProfile.Profile, n: int, per: int) -> list[dict]:
 
 def parse_arm(name: str) -> tuple[int, str, bool, frozenset[str], str | None]:
     """``tiers_<pct>_<precision>[-nodirect][~variant ...][@skewed[_norebal]]`` -> its parts."""
-    arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?((?:~[a-z]+)*)(@skewed(?:_norebal)?)?", name)
+    arm = re.fullmatch(r"tiers_(\d+)_(\w+?)(-nodirect)?((?:~[a-z0-9]+)*)(@skewed(?:_norebal)?)?", name)
     if arm is None:
         raise SystemExit(f"--arms: cannot read {name!r} (expected tiers_<pct>_<precision>[-nodirect][~variant ...][@skewed[_norebal]])")
     pct, precision, nodirect, variants, skewed = arm.groups()
@@ -205,7 +208,10 @@ def main() -> int:
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
     arms = args.arms.split(",")
     result = {"command": "python bench/decode_split.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
-              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "arms": {}}
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "arms": {},
+              # the host the serving thread shares with the arm's other threads
+              "host": {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                       "intra_op_threads": torch.get_num_threads(), "parallel_info": torch.__config__.parallel_info().splitlines()}}
 
     def measure(name, m, variants=frozenset()) -> None:
         from tools.routing import TraceRouting
@@ -299,11 +305,15 @@ def main() -> int:
             TierManager.DECODE_BYTES = None  # read when the first decode stage builds the direct tables
         if "hostlarge" in variants:
             TierManager.DECODE_BYTES = 32 << 20
+        threads = torch.get_num_threads()
+        if "omp1" in variants:
+            torch.set_num_threads(1)
         try:
             m = tiers.load(packed, cfg, device=device, progress=False)
             measure(name, m, variants)
         finally:
             TierManager.DECODE_BYTES, TierManager.DIRECT_MISS_BYTES = bound, miss_bound
+            torch.set_num_threads(threads)
         manager_of(m).close()
         del m
     write_result(args.out, result)

@@ -52,6 +52,7 @@ def test_arm_variants_are_read_and_unknown_ones_refused():
     assert decode_split.parse_arm("tiers_50_int8-nodirect~inline~gcoff@skewed_norebal") == (
         50, "int8", True, frozenset({"inline", "gcoff"}), "@skewed_norebal")
     assert decode_split.parse_arm("tiers_50_int8~nograph@skewed") == (50, "int8", False, frozenset({"nograph"}), "@skewed")
+    assert decode_split.parse_arm("tiers_50_int8~omp1~idle@skewed") == (50, "int8", False, frozenset({"omp1", "idle"}), "@skewed")
     for bad, says in (("tiers_25_int8~fast@skewed", "unknown variant"), ("tiers_x_int8", "cannot read"),
                       ("tiers_25_int8~idle@skewed_norebal", "only @skewed arms"), ("tiers_25_int8~idle", "only @skewed arms")):
         try:
@@ -105,3 +106,24 @@ def test_top_functions_rank_by_own_time_per_token():
     slow_row = next(r for r in top if "(slow)" in r["function"])
     assert slow_row["calls"] == 2.0  # 4 calls over 2 tokens
     assert slow_row["cum_ms"] >= 40.0 - 1.0  # 80 ms over 2 tokens, most of it under perf_counter
+
+
+def test_omp1_holds_torch_at_one_thread_for_its_arm_alone(tmp_path, monkeypatch):
+    """``~omp1``: the arm loads (and so starts its threads) and runs with one intra-op thread; the
+    arms after it, and the caller, get the count back."""
+    import json
+    import sys
+
+    import tiers
+
+    seen = []
+    real_load = tiers.load
+    monkeypatch.setattr(tiers, "load", lambda *a, **k: (seen.append(torch.get_num_threads()), real_load(*a, **k))[1])
+    before = torch.get_num_threads()
+    out = tmp_path / "split.json"
+    monkeypatch.setattr(sys, "argv", ["decode_split.py", "--layers", "2", "--tokens", "4", "--reps", "1",
+                                      "--arms", "tiers_50_int8~omp1,tiers_50_int8", "--out", str(out)])
+    assert decode_split.main() == 0
+    assert seen == [1, before] and torch.get_num_threads() == before
+    r = json.loads(out.read_text())
+    assert set(r["arms"]) == {"tiers_50_int8~omp1", "tiers_50_int8"} and r["host"]["intra_op_threads"] == before
