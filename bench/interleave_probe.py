@@ -56,9 +56,8 @@ def main() -> int:
             if name == "blocks":
                 times = [[], []]
                 for _ in range(args.steps // 8):
-                    t = measure.interleaved_decode(pair[:1], prompt, 8, device, skip=0), measure.interleaved_decode(pair[1:], prompt, 8, device, skip=0)
-                    times[0] += t[0][0]
-                    times[1] += t[1][0]
+                    for i in (0, 1):
+                        times[i] += measure.interleaved_decode(pair[i : i + 1], prompt, 8, device, skip=0)[0]
             else:
                 times = measure.interleaved_decode(pair, prompt, args.steps, device)
         finally:
