@@ -50,6 +50,10 @@ H2D_BYTES_PER_S = 55e9  # measured pinned host-to-device ceiling on the H200 tes
 # Tiers at 100% runs the all-GPU model's kernels; against its paired all-GPU model it measured
 # 1.11x, 0.94x and 1.20x over two repetitions and 1.00x over fifteen (bench-qwen3_moe-run21-t100.md).
 STATIC_ARM_REPS = 9
+# Timed prefills per Tiers arm, at least: a prefill costs a fraction of a decode repetition, and with
+# one (--reps 2) a slow phase of the host decided the ratio (Mixtral's run 35: its three 25% INT8
+# arms at 1.22-1.33x against 1.05-1.06x in run 34, with the same bytes and graph counts).
+PREFILL_REPS_MIN = 3
 
 TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25, "bf16")]
 
@@ -318,7 +322,8 @@ def run(args) -> dict:
             extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device) - resident
         mgr.reset_stats()  # the timed prefills' bytes only: the warm-up's whole-layer reads follow no earlier call
         # prefill as decode: each repetition times the arm and then the paired model (warmed up once)
-        prefill_reps = max(1, arm_reps - 1)
+        prefill_reps = max(PREFILL_REPS_MIN, arm_reps - 1)
+        extra["prefill_reps"] = prefill_reps
         with routed(paired, name):
             with torch.no_grad():
                 paired(prefill_ids)

@@ -34,6 +34,8 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert r["arms"]["tiers_100_bf16"]["gpu_hit_rate"] == 1.0
     # the static arm is timed over more repetitions than asked: it differs from all-GPU by less than the drift
     assert r["arms"]["tiers_100_bf16"]["reps"] == bench.STATIC_ARM_REPS and t["reps"] == 1
+    # prefill is timed at least PREFILL_REPS_MIN times whatever --reps says (one decode repetition here)
+    assert t["prefill_reps"] == bench.PREFILL_REPS_MIN == 3 and r["arms"]["tiers_100_bf16"]["prefill_reps"] == bench.STATIC_ARM_REPS - 1
     for name in ("tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"):  # each paired with an all-GPU measurement, interleaved
         a = r["arms"][name]
         # a difference of medians over 2 tokens: measured, but on a busy CPU it can come out below 0
@@ -244,3 +246,21 @@ def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monke
         assert 150 not in [n for who, n in calls if who == "gpu"] and 64 not in [n for who, n in calls if who == "gpu"]
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--rebalance-warmup", "-1", "--out", str(tmp_path)])
+
+
+def test_prefill_is_timed_at_least_prefill_reps_min_times(tmp_path, monkeypatch):
+    """With --reps 1 (and 2) a single timed prefill was left to the host's slow phases: each Tiers
+    arm times PREFILL_REPS_MIN prefills and its pair's, alternately, at least."""
+    asked = []
+    real = bench.paired_timings
+
+    def spy(arm, pair, device, reps):
+        asked.append(reps)
+        return real(arm, pair, device, reps)
+
+    monkeypatch.setattr(bench, "paired_timings", spy)
+    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "2",
+                     "--interleave", "0", "--arms", "tiers_25_int8", "--out", str(tmp_path)])
+    assert rc == 0 and asked == [bench.PREFILL_REPS_MIN]
+    row = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
+    assert row["prefill_reps"] == bench.PREFILL_REPS_MIN and "interleaved" not in row  # --interleave 0: none
