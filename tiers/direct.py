@@ -282,9 +282,11 @@ class DirectDecoder:
         (one sync, for the direct calls' device counters)."""
         for pool in self.pools:
             self._release(pool)
-        for pid, before in self._stage_counts.items():
-            decoded = int(self._direct_counts[pid][1] - before[1])
-            self._stage_bytes[pid] = self._stage_bytes.get(pid, 0) + max(decoded, 0) * self._direct_miss_bytes[pid]
+        if self._stage_counts:  # every pool's decoded picks this stage, read with one sync
+            pids = list(self._stage_counts)
+            decoded = torch.stack([self._direct_counts[pid][1] - self._stage_counts[pid][1] for pid in pids]).tolist()
+            for pid, n in zip(pids, decoded):
+                self._stage_bytes[pid] = self._stage_bytes.get(pid, 0) + max(n, 0) * self._direct_miss_bytes[pid]
         self._stage_counts.clear()
         for pid, calls in self._stage_calls.items():
             if calls:
