@@ -18,7 +18,7 @@ it move experts; ``rebal-frozen``: as ``rebal``, then every read in flight lande
 interval closing, so the prefills see the moved experts and no rebalance work; skewed routes
 also report the hot experts per layer and their slot runs, ``layout``); the untiered model keeps
 its own routers, so a skewed config's bound takes the uniform all-GPU prefill (below the bytes
-bound at these budgets); and : graphs (``auto``, the default: as ``tiers.gpu.prefill_graphs`` says, on with CUDA;
+bound at these budgets); and ``graphs`` (``auto``, the default: as ``tiers.gpu.prefill_graphs`` says, on with CUDA;
 ``on`` or ``off``: whole-layer calls replay their plan and windows as graphs, ``whole_graphs``,
 or not);
 every config's model is loaded up front and
