@@ -2,7 +2,7 @@
 
     python bench/hot_layout.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
                                [--fractions 0.25,0.5] [--generates 8] [--tokens 33] [--every 8]
-                               [--prefill 2048] --out FILE
+                               [--prefill 2048] [--modes own,across] --out FILE
 
 A whole-layer call runs one grouped GEMM per run of its layer's hot slots (``tiers.integration``'s
 ``_slot_runs``), and its copies are the layer's warm experts, so both the runs and an even
@@ -15,7 +15,10 @@ at load and after, with the rebalancer's counts and the GPU hit rate of four mor
 also the runs of each layer's warm host places that lie back to back, and (``--prefill N``, 0:
 off) the host-to-GPU copies and the dequantization launches one forward of N tokens queues, at
 load and after (routed by the trace too, so the trace's rows shift by N): a streamed part copies
-each run of its reads at once and dequantizes each run of its slots at once.
+each run of its reads at once and dequantizes each run of its slots at once. ``--modes`` runs each
+fraction once per mode of the rebalancer's hot moves (``own``: a newcomer replaces an expert of
+its own layer, the default; ``across``: of any layer, ``tiers.rebalance.across_layers``); each
+row also has the GPU hit rate of every four generates (``gpu_hit_rate_per_4``).
 
 Runs on the CPU unless ``--device cuda``: the plan is the same, only the decode path differs.
 """
@@ -82,14 +85,23 @@ def prefill_counts(model, ids) -> dict:
     return n
 
 
+def hit_rate(hits: dict) -> float:
+    """The GPU tier's share of the lookups in ``hits`` (a stats' hits per tier)."""
+    return hits["gpu"] / max(1, sum(hits.values()))
+
+
 def main() -> int:
     from tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_counts_args(ap, generates=8)
     ap.add_argument("--prefill", type=int, default=2048, help="tokens of the forward whose copies are counted (0: none)")
+    ap.add_argument("--modes", default="own", help="comma-separated: own (hot moves within a layer), across (across layers)")
     args = ap.parse_args()
     fractions = fractions_of(args.fractions)
+    modes = args.modes.split(",")
+    if not modes or any(m not in ("own", "across") for m in modes):
+        ap.error(f"--modes: expected own and/or across, got {args.modes!r}")
 
     import tiers
     from tiers.integration import manager_of
@@ -102,9 +114,9 @@ def main() -> int:
     ids = torch.randint(0, shape["vocab_size"], (1, args.prefill), generator=g).to(device) if args.prefill else None
     kw = dict(do_sample=False, pad_token_id=0)
     result = {"command": "python bench/hot_layout.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device), "fractions": {}}
-    for f in fractions:
+    for f, mode in [(f, mode) for f in fractions for mode in modes]:
         cfg = {"tiers": {"gpu": {"fraction": f}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
-                         "rebalance": {"every_tokens": args.every}}}
+                         "rebalance": {"every_tokens": args.every, "across_layers": mode == "across"}}}
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
         layers = sorted(mgr.manifest.layers)
@@ -112,8 +124,13 @@ def main() -> int:
         row = {"load": layout_summary(mgr.table, layers, args.experts, place)}
         with TraceRouting(m, tokens=4096):
             at_load = prefill_counts(m, ids) if ids is not None else None
-            for _ in range(args.generates):
+            row["gpu_hit_rate_per_4"] = []
+            for i in range(args.generates):
+                if i % 4 == 0:
+                    mgr.reset_stats()
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+                if i % 4 == 3:
+                    row["gpu_hit_rate_per_4"].append(hit_rate(mgr.stats().hits))
             row["after"] = layout_summary(mgr.table, layers, args.experts, place)
             row["rebalancer"] = mgr.rebalancer.report()
             mgr.reset_stats()
@@ -124,9 +141,9 @@ def main() -> int:
                 after = prefill_counts(m, ids)
                 row["prefill_copies"] = {"load": at_load["copies"], "after": after["copies"]}
                 row["prefill_dequantizations"] = {"load": at_load["dequantizations"], "after": after["dequantizations"]}
-        row["gpu_hit_rate_after"] = hits["gpu"] / max(1, sum(hits.values()))
-        result["fractions"][str(f)] = row
-        print(f, json.dumps(row), flush=True)
+        row["gpu_hit_rate_after"] = hit_rate(hits)
+        result["fractions"][str(f) if modes == ["own"] else f"{f}:{mode}"] = row
+        print(f, mode, json.dumps(row), flush=True)
         mgr.close()
         del m
     write_result(args.out, result)

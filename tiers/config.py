@@ -71,6 +71,7 @@ class Rebalance:
     max_moves: int = 4  # experts promoted per rebalance, at most (each tier)
     margin: float = 0.25  # a newcomer must be used this much more often than the expert it replaces
     significance: float = 3.0  # ... and by this many standard deviations of the difference of two Poisson counts
+    across_layers: bool = False  # a hot newcomer may replace another layer's expert (its layer's hot slots then scatter)
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ def parse_config(doc: Any) -> TiersConfig:
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
             f"{gpu.size.fraction} + {cpu.size.fraction} = {gpu.size.fraction + cpu.size.fraction}"
         )
-    return TiersConfig(gpu, cpu, nvme, _rebalance(_check_keys(tiers.get("rebalance"), "tiers.rebalance", {"every_tokens", "window", "max_moves", "margin", "significance"})))
+    return TiersConfig(gpu, cpu, nvme, _rebalance(_check_keys(tiers.get("rebalance"), "tiers.rebalance", {"every_tokens", "window", "max_moves", "margin", "significance", "across_layers"})))
 
 
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:
@@ -207,6 +208,7 @@ def _rebalance(r: dict) -> Rebalance:
         max_moves=_int_in(r, "tiers.rebalance", "max_moves", d.max_moves, 1, 1 << 20),
         margin=_number_in(r, "tiers.rebalance", "margin", d.margin, 0, 100),
         significance=_number_in(r, "tiers.rebalance", "significance", d.significance, 0, 100),
+        across_layers=_flag(r, "tiers.rebalance", "across_layers", d.across_layers),
     )
 
 

@@ -67,3 +67,23 @@ def test_prefill_counts_each_copy_and_dequantization_launch_once(packed_factory)
     tensors = len(next(iter(mgr.manifest.layers.values())).blobs["int8"].shapes)
     assert tensors * streamed["parts"] <= n["dequantizations"] <= tensors * warm
     assert "_check_pinned" not in vars(mgr) and "dequantize" not in vars(quant.get_scheme("int8"))
+
+
+def test_modes_run_each_fraction_with_own_layer_and_across_layer_moves(tmp_path, monkeypatch):
+    """``--modes own,across``: a row per fraction and mode, each with its hit rate per four
+    generates; own-layer moves keep every layer's hot count and one run of its hot slots."""
+    import json
+    import sys
+
+    out = tmp_path / "layout.json"
+    monkeypatch.setattr(sys, "argv", ["hot_layout.py", "--layers", "3", "--experts", "16", "--top-k", "4", "--fractions", "0.25",
+                                      "--generates", "8", "--tokens", "9", "--every", "2", "--prefill", "0",
+                                      "--modes", "own,across", "--out", str(out)])
+    assert hot_layout.main() == 0
+    rows = json.loads(out.read_text())["fractions"]
+    assert sorted(rows) == ["0.25:across", "0.25:own"]
+    for row in rows.values():
+        assert len(row["gpu_hit_rate_per_4"]) == 2 and all(0 <= h <= 1 for h in row["gpu_hit_rate_per_4"])
+        assert row["rebalancer"]["promoted_hot"] > 0
+    own = rows["0.25:own"]
+    assert own["after"]["hot_per_layer"] == own["load"]["hot_per_layer"] and set(own["after"]["slot_runs_per_layer"]) == {1}

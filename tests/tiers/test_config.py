@@ -167,7 +167,7 @@ _ALLOWED = {
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs", "prefill_graphs"},
     "tiers.cpu": {"fraction", "budget", "precision", "direct_reads"},
     "tiers.nvme": {"precision", "reader_threads", "direct_io"},
-    "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin", "significance"},
+    "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin", "significance", "across_layers"},
 }
 
 
@@ -512,13 +512,15 @@ def test_bad_reader_threads_names_key(bad):
 
 def test_rebalance_parses_and_defaults_off():
     assert parse_config(None).rebalance.every_tokens == 0
-    r = parse_config({"tiers": {"rebalance": {"every_tokens": 64, "window": 8, "max_moves": 2, "margin": 0.5, "significance": 1}}}).rebalance
-    assert (r.every_tokens, r.window, r.max_moves, r.margin, r.significance) == (64, 8, 2, 0.5, 1.0)
+    assert parse_config(None).rebalance.across_layers is False
+    r = parse_config({"tiers": {"rebalance": {"every_tokens": 64, "window": 8, "max_moves": 2, "margin": 0.5, "significance": 1,
+                                              "across_layers": True}}}).rebalance
+    assert (r.every_tokens, r.window, r.max_moves, r.margin, r.significance, r.across_layers) == (64, 8, 2, 0.5, 1.0, True)
 
 
 @pytest.mark.parametrize("name,bad", [("every_tokens", -1), ("every_tokens", 1.5), ("window", 0), ("max_moves", True),
                                       ("margin", -0.1), ("margin", "x"), ("significance", -1), ("significance", True),
-                                      ("significance", 101)])
+                                      ("significance", 101), ("across_layers", "yes"), ("across_layers", 1)])
 def test_bad_rebalance_names_key(name, bad):
     with pytest.raises(ValueError, match=re.escape(f"tiers.rebalance.{name}:")):
         parse_config({"tiers": {"rebalance": {name: bad}}})

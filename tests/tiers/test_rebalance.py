@@ -138,19 +138,28 @@ plan_inputs = st.tuples(
 )
 
 
-def _reference_plan(freq, group, *, max_moves, margin):
+def _reference_plan(freq, group, *, max_moves, margin, across_layers=False):
     """The plan as specified, sorting every expert of the group (what plan_moves must equal)."""
     better = lambda new, old: new > old * (1.0 + margin) and new >= old + 1  # noqa: E731
     desc = lambda ks: sorted(ks, key=lambda k: (-freq[k], k))  # noqa: E731
     asc = lambda ks: sorted(ks, key=lambda k: (freq[k], k))  # noqa: E731
-    moves, hot = [], set(group.hot)
+    moves, hot, done = [], set(group.hot), set()
     left = [k for k in group.hot if k not in group.busy]
     for new in desc(k for k in group.keys if k not in hot and k not in group.busy):
-        if len(moves) >= max_moves or not left:
+        if len(moves) >= max_moves:
             break
-        old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))  # the least used, of its own layer on a tie
-        if not better(freq[new], freq[old]):
-            break
+        if not across_layers:  # its own layer's least used hot expert; a layer's first failure ends its moves
+            own = [k for k in left if k.layer == new.layer]
+            old = min(own, key=lambda k: (freq[k], k), default=None)
+            if new.layer in done or old is None or not better(freq[new], freq[old]):
+                done.add(new.layer)
+                continue
+        else:
+            if not left:
+                break
+            old = min(left, key=lambda k: (freq[k], k.layer != new.layer, k))  # the least used, of its own layer on a tie
+            if not better(freq[new], freq[old]):
+                break
         moves.append(Move(new, Home.GPU, old))
         left.remove(old)
         hot.discard(old)
@@ -167,11 +176,12 @@ def _reference_plan(freq, group, *, max_moves, margin):
 
 
 @settings(max_examples=400, deadline=None)
-@given(plan_inputs, st.booleans(), st.lists(st.integers(0, 2), min_size=12, max_size=12))
-def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer, layer_of):
+@given(plan_inputs, st.booleans(), st.lists(st.integers(0, 2), min_size=12, max_size=12), st.booleans())
+def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer, layer_of, across_layers):
     """plan_moves picks the least used hot and warm experts without sorting the group; its plan
     equals the one that sorts all of them, ties and unused experts included, over experts of up
-    to three layers (and uses of experts outside the group, here layer 9's, are ignored)."""
+    to three layers (and uses of experts outside the group, here layer 9's, are ignored), with hot
+    newcomers replacing their own layer's experts or any layer's."""
     (n, uses, hot, warm, busy, free), max_moves, margin = args
     warm -= hot
     key = [K(layer_of[e], e) for e in range(n)]
@@ -180,7 +190,8 @@ def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer, layer_o
     if other_layer:
         freq.update({K(9, e): 100 for e in range(n)})
     g = Group(keys, frozenset(key[e] for e in hot), frozenset(key[e] for e in warm), free, frozenset(key[e] for e in busy))
-    assert plan(freq, g, max_moves=max_moves, margin=margin) == _reference_plan(freq, g, max_moves=max_moves, margin=margin)
+    assert (plan(freq, g, max_moves=max_moves, margin=margin, across_layers=across_layers)
+            == _reference_plan(freq, g, max_moves=max_moves, margin=margin, across_layers=across_layers))
 
 
 @settings(max_examples=200, deadline=None)
@@ -192,31 +203,50 @@ def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer, layer_o
     st.integers(0, 3),
     st.integers(1, 4),
     st.lists(st.integers(0, 2), min_size=n, max_size=n),
-)))
-def test_plan_equals_the_sorted_plan_over_large_groups(args):
+)), st.booleans())
+def test_plan_equals_the_sorted_plan_over_large_groups(args, across_layers):
     """Groups over four times ``max_moves``, where the least used are cut out by a partition
-    before they are sorted: still the plan that sorts every expert."""
+    before they are sorted, and layers with more newcomers than ``max_moves``: still the plan
+    that sorts every expert."""
     n, uses, tier, busy, free, max_moves, layer_of = args
     key = [K(layer_of[e], e) for e in range(n)]
     freq = Counter({key[e]: uses[e] for e in range(n)})
     g = Group(tuple(key), frozenset(key[e] for e in range(n) if tier[e] == "h"), frozenset(key[e] for e in range(n) if tier[e] == "w"),
               free, frozenset(key[e] for e in busy))
-    assert plan(freq, g, max_moves=max_moves, margin=0.0) == _reference_plan(freq, g, max_moves=max_moves, margin=0.0)
+    assert (plan(freq, g, max_moves=max_moves, margin=0.0, across_layers=across_layers)
+            == _reference_plan(freq, g, max_moves=max_moves, margin=0.0, across_layers=across_layers))
 
 
-def test_a_newcomer_replaces_an_equally_unused_hot_expert_of_its_own_layer():
+@pytest.mark.parametrize("across_layers", [False, True])
+def test_a_newcomer_replaces_an_equally_unused_hot_expert_of_its_own_layer(across_layers):
     """Unused hot experts in every layer: the newcomers take their own layers' (each layer keeps
     its hot count and its slots), not layer 0's, which ties broken by key alone would drain."""
     keys = tuple(K(L, e) for L in range(3) for e in range(4))
     hot = frozenset(K(L, e) for L in range(3) for e in (0, 1))
     freq = Counter({K(2, 3): 9, K(1, 2): 8, K(2, 2): 7, K(0, 0): 1})
-    moves = plan(freq, Group(keys, hot, frozenset(), 0), max_moves=3, margin=0.25)
+    moves = plan(freq, Group(keys, hot, frozenset(), 0), max_moves=3, margin=0.25, across_layers=across_layers)
     assert [m for m in moves if m.to is Home.GPU] == [Move(K(2, 3), Home.GPU, K(2, 0)), Move(K(1, 2), Home.GPU, K(1, 0)),
                                                     Move(K(2, 2), Home.GPU, K(2, 1))]
-    # a strictly less used hot expert of another layer still goes first: capacity moves where it pays
+    # a strictly less used hot expert of another layer: taken only across layers (capacity moves)
     freq[K(2, 0)] = freq[K(2, 1)] = 1
-    moves = plan(freq, Group(keys, hot, frozenset(), 0), max_moves=1, margin=0.25)
-    assert moves == [Move(K(2, 3), Home.GPU, K(0, 1))]
+    moves = plan(freq, Group(keys, hot, frozenset(), 0), max_moves=1, margin=0.25, across_layers=across_layers)
+    assert moves == [Move(K(2, 3), Home.GPU, K(0, 1) if across_layers else K(2, 0))]
+
+
+def test_a_layer_that_cannot_promote_does_not_starve_the_others():
+    """Own-layer moves: layer 0's newcomers are the most used of all but cannot beat layer 0's own
+    hot experts (used almost as much), and there are more of them than ``max_moves``; layer 1's
+    newcomer, the least used newcomer, still replaces layer 1's unused hot expert. Across layers
+    layer 0's newcomers would take layer 1's expert instead."""
+    keys = tuple(K(L, e) for L in range(2) for e in range(8))
+    hot = frozenset({K(0, 0), K(0, 1), K(1, 0)})
+    freq = Counter({K(0, 0): 20, K(0, 1): 20, **{K(0, e): 21 for e in range(2, 8)}, K(1, 5): 3})
+    assert plan(freq, Group(keys, hot, frozenset(), 0), max_moves=2, margin=0.25) == [Move(K(1, 5), Home.GPU, K(1, 0))]
+    assert plan(freq, Group(keys, hot, frozenset(), 0), max_moves=2, margin=0.25, across_layers=True) == [Move(K(0, 2), Home.GPU, K(1, 0))]
+    # layer 0 promotes once (into its unused hot expert), then fails: layer 1 still gets its move
+    freq[K(0, 0)] = 0
+    assert plan(freq, Group(keys, hot, frozenset(), 0), max_moves=3, margin=0.25) == [Move(K(0, 2), Home.GPU, K(0, 0)),
+                                                                                      Move(K(1, 5), Home.GPU, K(1, 0))]
 
 
 @settings(max_examples=200, deadline=None)
@@ -244,6 +274,19 @@ def test_plan_keeps_tier_sizes_and_only_improves(args):
         assert m.key not in g.hot and m.key not in g.warm and freq[m.key] > 0
         assert m.replaces is None or m.replaces in g.warm
     assert sum(m.replaces is None for m in to_cpu) <= free, "never more new warm experts than free places"
+
+
+@settings(max_examples=300, deadline=None)
+@given(plan_inputs, st.lists(st.integers(0, 2), min_size=12, max_size=12))
+def test_own_layer_moves_keep_every_layers_hot_count(args, layer_of):
+    """By default a hot newcomer always replaces an expert of its own layer, so after the plan
+    every layer holds as many hot experts as before."""
+    (n, uses, hot, warm, busy, free), max_moves, margin = args
+    key = [K(layer_of[e], e) for e in range(n)]
+    g = Group(tuple(key), frozenset(key[e] for e in hot), frozenset(key[e] for e in warm - hot), free, frozenset(key[e] for e in busy))
+    moves = plan(Counter({key[e]: uses[e] for e in range(n)}), g, max_moves=max_moves, margin=margin)
+    after = (set(g.hot) - {m.replaces for m in moves if m.to is Home.GPU}) | {m.key for m in moves if m.to is Home.GPU}
+    assert Counter(k.layer for k in after) == Counter(k.layer for k in g.hot)
 
 
 # -- on a manager -------------------------------------------------------------------------------
@@ -309,6 +352,30 @@ def test_frequent_experts_become_hot_and_warm_exactly(packed_factory, truth):
         assert (r.home is Home.CPU) == (r.host_offset is not None)
     offsets = [r.host_offset for _, r in mgr.table.items() if r.host_offset is not None]
     assert len(offsets) == len(set(offsets)), "two warm experts share host bytes"
+    mgr.close()
+
+
+@pytest.mark.parametrize("across_layers", [False, True])
+def test_the_manager_moves_hot_capacity_across_layers_only_when_told(packed_factory, truth, across_layers):
+    """``tiers.rebalance.across_layers``: layer 0's hot experts are used, the other layers' not;
+    a newcomer of layer 0 replaces one of layer 0's own (every layer keeps its hot count and its
+    slots), or with the flag an unused expert of another layer, whose slot it takes."""
+    mgr = manager(packed_factory("mixtral"), every=1, max_moves=1, across_layers=across_layers)
+    hot_of = lambda: Counter(k.layer for k, r in mgr.table.items() if r.pinned)  # noqa: E731
+    slots_of = lambda L: sorted(r.slot for k, r in mgr.table.items() if r.pinned and k.layer == L)  # noqa: E731
+    before, slots0 = hot_of(), slots_of(0)
+    newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
+    mgr.rebalancer.window.count([newcomer] * 20 + [k for k, r in mgr.table.items() if r.pinned and k.layer == 0] * 3)
+    mgr.rebalancer.rebalance(mgr.rebalancer.window.frequency())
+    mgr.rebalancer.land(wait=True)
+    assert mgr.table[newcomer].pinned
+    after = hot_of()
+    if across_layers:
+        assert after[0] == before[0] + 1 and sum(after.values()) == sum(before.values())
+        assert set(slots0) < set(slots_of(0)), "layer 0 keeps its slots and takes another layer's"
+    else:
+        assert after == before and slots_of(0) == slots0
+    drive(mgr, [(0, [newcomer.expert])], truth)
     mgr.close()
 
 
