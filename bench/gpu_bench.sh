@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The benchmark runs behind bench/results, on a CUDA machine; results go to ${OUT:-gpu-out}/results.
 # Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call)
-# Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run.
+# Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
+# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run37.md, -mixtral-run36.md).
 set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
@@ -12,7 +13,11 @@ rc=0
 for model in ${1:-all}; do
   case $model in all) models="mixtral qwen3_moe" ;; *) models=$model ;; esac
   for m in $models; do
-    timeout 560 python3 tools/bench.py --model "$m" --tokens 16 --reps 2 --slow-tokens 2 --arms "$arms" --copy-sweep --cold-read-gb 1 \
+    case $m in
+      qwen3_moe) flags="--tokens 32 --reps 7 --rebalance-warmup 256" ;;  # decode ~16 ms/token: seven repetitions fit
+      *) flags="--tokens 16 --reps 2 --rebalance-warmup 128" ;;          # Mixtral's slow arms take most of the call
+    esac
+    timeout 560 python3 tools/bench.py --model "$m" $flags --slow-tokens 2 --arms "$arms" --copy-sweep --cold-read-gb 1 \
       --hf-dir "$hf" --out "$out" 2>&1 | grep -v '%|' | tail -30 || rc=1
     rm -rf "$hf" /tmp/tiers-bench-*
   done

@@ -321,9 +321,13 @@ class Rebalancer:
         return layer not in self.mgr.static_maps
 
     def note_call(self, layer: int, keys: list[ExpertKey], tokens: int, first: bool) -> None:
-        """A layer call begins: count its lookups. At the first layer (between forwards), land
-        whatever has finished, count the tokens, and when an interval closes plan and issue a
-        rebalance. Swaps land only there, never inside a forward (a long prefill included)."""
+        """A layer call begins: count its lookups. At the first layer, land whatever has finished,
+        count the tokens, and when an interval closes plan and issue a rebalance. Swaps land only
+        there, between two layer calls, never inside one. A whole-layer call is noted when it is
+        counted (``settle``): at the next call that waits for its routing, usually the next
+        forward's first, but once ``UNSETTLED_CALLS`` wait, at a whole-layer call's start, which
+        can be inside a later forward (back-to-back long prompts): its swaps and the fences of the
+        reads it issues then fall inside that forward."""
         if not self.movable(layer):
             return
         if first:
@@ -532,7 +536,7 @@ class Rebalancer:
         gp = mgr.cfg.gpu.precision
         src = self.buffers[read.buffer][: mgr.manifest.ref(key, gp).nbytes]
         busy = mgr._stage(key, pool, slot, gp, "rebalance", src)
-        assert busy is not None, "swaps land between forwards, outside a staging batch"
+        assert busy is not None, "swaps land between layer calls, outside a staging batch"
         self.buffer_busy[read.buffer] = busy
         if freed is not None:
             if out_ok:  # the demoted expert takes the place the promoted one left
