@@ -549,10 +549,12 @@ class _WholePlan:
     bounds are those keys for every group and every slot ``0..n_slots`` in a fixed order, bound
     ``group * (n_slots + 1) + slot`` (the universe of the call's ``n_groups`` groups), so one
     ``searchsorted`` of them in the sorted keys gives every slot's first row, and a window's
-    first bound is a function of its own group and first slot alone: a window's graph
-    (``TierManager.whole_graphs``) stays valid while the layout of the other windows changes,
-    and the plan's own shapes change only with the number of groups and of windows. Each
-    group's slots split into windows, one per grouped GEMM."""
+    first bound is a function of its own group and first slot alone, whatever the layout of the
+    other windows, and the plan's own shapes change only with the number of groups and of
+    windows. A window's rows sit at its index among the call's windows in the plan's outputs, so
+    that index is part of its graph's key (``TierManager.whole_graphs``): a window added or
+    dropped before it recaptures it. Each group's slots split into windows, one per grouped
+    GEMM."""
 
     key_of: list[int]  # expert id (sentinel included) -> sort key
     n_groups: int
