@@ -330,6 +330,9 @@ def run(args) -> dict:
                 sync(device)
             arm_s, pair_s = paired_timings(lambda: m(prefill_ids), lambda: paired(prefill_ids), device, prefill_reps)
         extra["prefill_s"], extra["paired_prefill_s"] = statistics.median(arm_s), statistics.median(pair_s)
+        # each timed prefill, the arm's and its pair's, in the order they ran: how far a run's
+        # slow ones lie from the median (one arm's prefill moved 78-87 ms between runs)
+        extra["prefill_s_per_rep"], extra["paired_prefill_s_per_rep"] = arm_s, pair_s
         ps = mgr.stats()
         extra["prefill_bytes_moved"] = sum(ps.bytes_moved.values()) / prefill_reps
         # what whole-layer calls read without a row routed to it (counted in the bytes moved)

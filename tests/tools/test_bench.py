@@ -264,3 +264,7 @@ def test_prefill_is_timed_at_least_prefill_reps_min_times(tmp_path, monkeypatch)
     assert rc == 0 and asked == [bench.PREFILL_REPS_MIN]
     row = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
     assert row["prefill_reps"] == bench.PREFILL_REPS_MIN and "interleaved" not in row  # --interleave 0: none
+    # every timed prefill is kept, the arm's and its pair's, and the medians are theirs
+    assert len(row["prefill_s_per_rep"]) == len(row["paired_prefill_s_per_rep"]) == bench.PREFILL_REPS_MIN
+    assert row["prefill_s"] == statistics.median(row["prefill_s_per_rep"])
+    assert row["paired_prefill_s"] == statistics.median(row["paired_prefill_s_per_rep"])
