@@ -87,10 +87,9 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
             mgr.reset_stats()
             before = mgr.rebalancer.counts["promoted_hot"]
             m.generate(prompt, **kw)
-            hits = mgr.stats().hits
             row["generates"].append({"coverage": coverage(mgr.table, popularity, trace.layers)[0],
                                      "promoted_hot": mgr.rebalancer.counts["promoted_hot"] - before,
-                                     "hit_rate": hits["gpu"] / max(1, sum(hits.values()))})
+                                     "hit_rate": mgr.stats().gpu_hit_rate})
     row["rebalancer"] = mgr.rebalancer.report()
     mgr.close()
     return row

@@ -85,11 +85,6 @@ def prefill_counts(model, ids) -> dict:
     return n
 
 
-def hit_rate(hits: dict) -> float:
-    """The GPU tier's share of the lookups in ``hits`` (a stats' hits per tier)."""
-    return hits["gpu"] / max(1, sum(hits.values()))
-
-
 def main() -> int:
     from tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
 
@@ -130,18 +125,18 @@ def main() -> int:
                     mgr.reset_stats()
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
                 if i % 4 == 3:
-                    row["gpu_hit_rate_per_4"].append(hit_rate(mgr.stats().hits))
+                    row["gpu_hit_rate_per_4"].append(mgr.stats().gpu_hit_rate)
             row["after"] = layout_summary(mgr.table, layers, args.experts, place)
             row["rebalancer"] = mgr.rebalancer.report()
             mgr.reset_stats()
             for _ in range(4):
                 m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
-            hits = mgr.stats().hits
+            hit_rate_after = mgr.stats().gpu_hit_rate
             if ids is not None:
                 after = prefill_counts(m, ids)
                 row["prefill_copies"] = {"load": at_load["copies"], "after": after["copies"]}
                 row["prefill_dequantizations"] = {"load": at_load["dequantizations"], "after": after["dequantizations"]}
-        row["gpu_hit_rate_after"] = hit_rate(hits)
+        row["gpu_hit_rate_after"] = hit_rate_after
         result["fractions"][str(f) if modes == ["own"] else f"{f}:{mode}"] = row
         print(f, mode, json.dumps(row), flush=True)
         mgr.close()

@@ -38,6 +38,12 @@ class TierStats:
     whole_graphs: dict[str, int] = field(default_factory=dict)
 
     @property
+    def gpu_hit_rate(self) -> float:
+        """The GPU tier's share of the lookups (0 with none)."""
+        lookups = sum(self.hits.values())
+        return self.hits["gpu"] / lookups if lookups else 0.0
+
+    @property
     def h2d_gbps(self) -> float:
         moved = sum(self.bytes_moved.values())
         return moved / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
@@ -75,10 +81,8 @@ class TierStats:
                 f"{t:<6} {r['experts']:>8} {r['bytes'] / mib:>10.1f} {self.hits[t]:>9} {self.misses[t]:>9} "
                 f"{'-' if moved is None else f'{moved / mib:.1f}':>10}"
             )
-        lookups = sum(self.hits.values())
-        rate = self.hits["gpu"] / lookups if lookups else 0.0
         lines.append(
-            f"gpu hit rate {rate:.1%} of {lookups} lookups; staged {sum(self.bytes_moved.values()) / mib:.1f} MiB "
+            f"gpu hit rate {self.gpu_hit_rate:.1%} of {sum(self.hits.values())} lookups; staged {sum(self.bytes_moved.values()) / mib:.1f} MiB "
             f"in {self.stage_seconds * 1e3:.1f} ms ({self.h2d_gbps:.2f} GB/s); stalled {self.stall_seconds * 1e3:.1f} ms"
         )
         lines.append(

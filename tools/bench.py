@@ -279,7 +279,6 @@ def run(args) -> dict:
         trace = mgr.recorded
         mgr.recorded = None
         moved = decode_moved
-        lookups_n = sum(s.hits.values())
         hot = set(mgr.placement.hot)
         capacity = s.gpu_slots["staging"]
         layers_ = sorted(mgr.manifest.layers)
@@ -298,7 +297,7 @@ def run(args) -> dict:
             "bytes_moved_per_token": moved,
             "h2d_gbps": s.h2d_gbps,
             "stall_ms_per_token": decode_stall_ms,
-            "gpu_hit_rate": s.hits["gpu"] / lookups_n if lookups_n else 0.0,
+            "gpu_hit_rate": s.gpu_hit_rate,
             "cache_hits_vs_belady": [replay_hits, opt_hits],
             "gpu_hits_vs_belady": [engine_hits, belady_hits(trace, all_slots, set()), len(trace)],
             "rebalance": s.rebalance,

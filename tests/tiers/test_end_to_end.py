@@ -6,6 +6,8 @@ Quality: with INT8 warm and cold tiers, logits stay within a stated SQNR and KL 
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -281,6 +283,9 @@ def test_residency_matches_yaml(device, packed_factory):
     assert s.gpu_slots == {"hot": hot, "staging": staging, "cached": 0}
     text = str(s)
     assert "gpu" in text and "nvme" in text and "hit rate" in text
+    assert s.gpu_hit_rate == 0.0 and "gpu hit rate 0.0% of 0 lookups" in text  # none yet: 0, not a division by zero
+    counted = replace(s, hits={"gpu": 3, "cpu": 1, "nvme": 0})
+    assert counted.gpu_hit_rate == 0.75 and "gpu hit rate 75.0% of 4 lookups" in str(counted)
 
 
 def test_slot_memory_within_gpu_budget_every_fraction(packed_factory):
