@@ -65,109 +65,12 @@ if __name__ == "__main__":  # run as a script: import the repo's packages
 import argparse  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from tools.timeline import Marks, hook_layers, instrument, split  # noqa: E402
+
 H2D_BYTES_PER_S = 55e9
-
-
-class Marks:
-    """Host clock readings and device events at named points, on a chosen stream."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.raw: list[tuple[str, int, float, object]] = []
-        self.on = False
-        self.layer = 0  # the layer of the last mark
-
-    def mark(self, what: str, layer: int, stream=None) -> None:
-        if not self.on:
-            return
-        self.layer = layer
-        ev = None
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(stream)  # None: the current stream
-        self.raw.append((what, layer, time.perf_counter(), ev))
-
-    def resolved(self) -> list[tuple[str, int, float, float]]:
-        """(what, layer, host ms, device ms) from the first mark; device NaN without CUDA."""
-        if not self.raw:
-            return []
-        if self.cuda:
-            torch.cuda.synchronize()
-        h0, e0 = self.raw[0][2], self.raw[0][3]
-        return [(w, L, (t - h0) * 1e3, e0.elapsed_time(ev) if self.cuda else float("nan")) for w, L, t, ev in self.raw]
-
-
-def split(marks: list[tuple[str, int, float, float]]) -> dict:
-    """Per-layer and total figures of one prefill from its resolved marks (see the module's doc)."""
-    by_layer: dict[int, list] = {}
-    for m in marks:
-        by_layer.setdefault(m[1], []).append(m)
-    done = sorted(d for w, _, _, d in marks if w in ("copy_end", "ahead_end"))  # the copy stream runs in order
-    rows = []
-    layer_at = {L: (h, d) for w, L, h, d in marks if w == "layer"}
-    for layer in sorted(by_layer):
-        ms = by_layer[layer]
-        first = {}
-        for w, _, h, d in ms:
-            first.setdefault(w, (h, d))
-        starts = [d for w, _, _, d in ms if w == "copy_start"]
-        ends = [d for w, _, _, d in ms if w == "copy_end"]
-        row = {"layer": layer}
-        if layer in layer_at and layer + 1 in layer_at:
-            row["host_layer_ms"] = layer_at[layer + 1][0] - layer_at[layer][0]
-            row["device_layer_ms"] = layer_at[layer + 1][1] - layer_at[layer][1]
-        if "experts" in first and "layer" in first:
-            row["host_attn_ms"] = first["experts"][0] - first["layer"][0]
-        if "routed" in first and "experts" in first:
-            row["host_route_ms"] = first["routed"][0] - first["experts"][0]
-        if "experts_end" in first and "routed" in first:
-            row["host_call_ms"] = first["experts_end"][0] - first["routed"][0]
-        if starts:
-            row["parts"] = len(starts)
-            row["copy_ms"] = sum(e - s for s, e in zip(starts, ends))
-            row["copy_gaps_ms"] = sum(s - e for e, s in zip(ends, starts[1:]))  # in order: s >= e
-            last_copy = max((d for d in done if d <= starts[0]), default=None)
-            if last_copy is not None:
-                row["boundary_ms"] = starts[0] - last_copy
-                if "routed" in first:
-                    row["boundary_gpu_ms"] = first["routed"][1] - last_copy
-                    row["boundary_plan_ms"] = starts[0] - first["routed"][1]
-            if "experts_end" in first:
-                row["tail_ms"] = first["experts_end"][1] - ends[-1]
-        k0 = [d for w, _, _, d in ms if w == "kernels"]
-        k1 = [d for w, _, _, d in ms if w == "kernels_end"]
-        if k0 and len(k0) == len(k1):
-            row["kernel_ms"] = sum(b - a for a, b in zip(k0, k1))
-        rows.append(row)
-    streamed = [r for r in rows if "copy_ms" in r]
-    fields = sorted({k for r in rows for k in r} - {"layer"})
-    out = {"layers": rows, "median": {k: statistics.median(r[k] for r in rows if k in r) for k in fields}}
-    ends = [d for w, _, _, d in marks if w == "experts_end"]
-    device_ms = (max(ends) - marks[0][3]) if ends else float("nan")
-    copy_ms = sum(r["copy_ms"] for r in streamed)
-    out["total"] = {"device_ms": device_ms, "host_ms": max(h for _, _, h, _ in marks), "copy_ms": copy_ms,
-                    "copy_busy": copy_ms / device_ms if device_ms else float("nan"),
-                    "copy_gaps_ms": sum(r["copy_gaps_ms"] for r in streamed),
-                    "boundary_ms": sum(r.get("boundary_ms", 0.0) for r in streamed),
-                    "boundary_gpu_ms": sum(r.get("boundary_gpu_ms", 0.0) for r in streamed),
-                    "boundary_plan_ms": sum(r.get("boundary_plan_ms", 0.0) for r in streamed),
-                    "tail_ms": sum(r.get("tail_ms", 0.0) for r in streamed), "streamed_layers": len(streamed)}
-    return out
-
-
-def hook_layers(model, marks: Marks) -> list:
-    """Marks at each decoder layer's start and its experts call's start and end; returns the undo callables."""
-    undo = []
-    for i, layer in enumerate(model.model.layers):
-        undo.append(layer.register_forward_pre_hook(lambda m, a, i=i: marks.mark("layer", i)).remove)
-        experts = layer.mlp.experts
-        undo.append(experts.register_forward_pre_hook(lambda m, a, i=i: marks.mark("experts", i)).remove)
-        undo.append(experts.register_forward_hook(lambda m, a, o, i=i: marks.mark("experts_end", i)).remove)
-    return undo
 
 
 def kernel_split(model, ids: torch.Tensor, cuda: bool) -> dict:
@@ -219,59 +122,6 @@ def dependency_bound_s(kernels: dict, moved_bytes: float) -> float:
     """The kernels outside the experts calls, then the reads at ``H2D_BYTES_PER_S``, one after
     the other (``kernel_split``)."""
     return kernels["other_kernel_ms"] / 1e3 + moved_bytes / H2D_BYTES_PER_S
-
-
-def instrument(model, mgr, marks: Marks) -> list:
-    """Hooks and wrappers that mark a Tiers ``model``'s prefill; returns the undo callables."""
-    import tiers.integration as integration
-
-    undo = hook_layers(model, marks)
-    copy = mgr.copy_stream
-    route = integration._route
-
-    def routed(self, binding, *a, **k):
-        out = route(self, binding, *a, **k)
-        marks.mark("routed", binding.layer)
-        return out
-    integration._route = routed
-    undo.append(lambda: setattr(integration, "_route", route))
-    pending: list = []  # the layer of a stream_part whose first read is not queued yet
-
-    def wrap(attr: str, before=None, after=None) -> None:
-        fn = getattr(mgr, attr)
-
-        def wrapped(*a, **k):
-            if before:
-                before(*a, **k)
-            out = fn(*a, **k)
-            if after:
-                after(*a, **k)
-            return out
-        setattr(mgr, attr, wrapped)
-        undo.append(lambda: delattr(mgr, attr))
-
-    def part_begins(s, p):
-        pending[:] = [s.layer]
-
-    def part_ends(s, p):
-        if not pending:  # a read was queued: the copy stream's last work is this part's copies
-            marks.mark("copy_end", s.layer, copy)
-        pending.clear()
-
-    def first_read(key, *a):
-        if pending:
-            marks.mark("copy_start", pending[0], copy)  # after the part's wait for its half
-            pending.clear()
-    wrap("stream_part", part_begins, part_ends)
-    wrap("_fetch", first_read)
-    wrap("wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
-    wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
-    wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
-    # the plan's upload (on the compute stream): does it wait behind the copy stream's reads?
-    wrap("upload_int_lists", before=lambda *a, **k: marks.mark("upload", marks.layer), after=lambda *a, **k: marks.mark("uploaded", marks.layer))
-    if hasattr(mgr, "read_ahead"):  # the streamed read-ahead tried in prefill_split-qwen3_moe-ahead*.json
-        wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
-    return undo
 
 
 ROUTES = ("uniform", "skewed", "rebal", "rebal-frozen")

@@ -338,6 +338,10 @@ def run(args) -> dict:
         extra["prefill_unused_bytes"] = ps.streamed.get("unused_bytes", 0) / prefill_reps
         extra["prefill_whole_calls"] = ps.streamed.get("whole", 0) / prefill_reps
         extra["prefill_graphs"] = ps.whole_graphs  # whole-layer calls' plans and windows over the timed prefills
+        if args.prefill_marks:  # after the timed prefills: where each marked one's time goes (tools.timeline)
+            from tools.timeline import marked_prefill
+
+            extra["prefill_marks"] = [marked_prefill(m, mgr, prefill_ids) for _ in range(args.prefill_marks)]
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, "paired_all_gpu_ms_per_token": paired_decode_ms, **extra}
         mgr.close()
         return row
@@ -606,6 +610,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
     ap.add_argument("--interleave", type=int, default=192,
                     help="Tiers arms: decode steps timed in turn with the paired all-GPU model, after the repetitions (0: skip)")
+    ap.add_argument("--prefill-marks", type=int, default=0,
+                    help="Tiers arms: this many more prefills after the timed ones, each with a timeline of its copies, "
+                         "layer boundaries and host time (tools.timeline.marked_prefill; 0: none)")
     ap.add_argument("--slow-tokens", type=int, default=4, help="decode tokens for the lazy and accelerate arms (one timed run)")
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
@@ -638,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     block = max(INTERLEAVE_BLOCK, args.rebalance_every)
     if args.interleave < 0 or 0 < args.interleave < block:
         ap.error(f"--interleave: expected 0 or at least one block of {block} steps, got {args.interleave}")
+    if args.prefill_marks < 0:
+        ap.error(f"--prefill-marks: expected a count >= 0, got {args.prefill_marks}")
     if args.rebalance_warmup < 0:
         ap.error(f"--rebalance-warmup: expected a token count >= 0, got {args.rebalance_warmup}")
     if args.cold_read_gb and not 1 <= args.cold_read_rounds <= 64:  # refused now, not after the arms have run

@@ -115,6 +115,7 @@ def test_lazy_arm_computes_what_eager_computes():
 
 def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     rc = bench.main(["--tiny", "--tokens", "4", "--prefill", "16", "--reps", "1", "--device", "cpu", "--rebalance-every", "2",
+                     "--prefill-marks", "2",
                      "--arms", "all_gpu,all_gpu@skewed,tiers_25_int8@skewed,tiers_25_int8@skewed_norebal", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
@@ -135,6 +136,13 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
         assert arm["paired_prefill_bound_s"] == max(arm["paired_prefill_s"], arm["prefill_bytes_moved"] / bench.H2D_BYTES_PER_S)
         assert arm["prefill_over_paired_bound"] == pytest.approx(arm["prefill_s"] / arm["paired_prefill_bound_s"])
     assert r["routing"]["skewed"]["zipf_s"] == 1.2
+    # --prefill-marks 2: two marked prefills per Tiers arm after the timed ones, with what the rebalancer did in each
+    for arm, rebalancing in ((t, True), (off, False)):
+        marks = arm["prefill_marks"]
+        assert len(marks) == 2 and all(x["prefill_ms"] > 0 and x["moved_bytes"] > 0 for x in marks)
+        assert all(len(x["layers"]) == 6 and x["total"]["host_ms"] > 0 for x in marks)
+        assert all(set(x["rebalancer"]) == ({"rebalances", "promoted_hot", "promoted_warm", "read_errors"} if rebalancing else set()) for x in marks)
+    assert "prefill_marks" not in r["arms"]["all_gpu@skewed"]
     assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()
 
 

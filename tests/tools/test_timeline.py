@@ -1,0 +1,80 @@
+"""tools/timeline.py: a prefill's copy-stream busy time, gaps and layer boundaries from
+synthetic marks with known device times."""
+from __future__ import annotations
+
+import math
+
+from tools.timeline import split
+
+
+def _layer(i: int, t: float, attn: float, sync: float, plan: float, parts: list[float], gap: float, tail: float) -> tuple[list, float]:
+    """Marks of one streamed layer, host and device clocks equal: ``attn`` ms to the experts call,
+    ``sync`` ms to the route's return, ``plan`` ms to the first copy, copies of ``parts`` ms with
+    ``gap`` ms between them, ``tail`` ms from the last copy to the call's end."""
+    marks = [("layer", i, t, t)]
+    t += attn
+    marks.append(("experts", i, t, t))
+    t += sync
+    marks.append(("routed", i, t, t))
+    t += plan
+    for n, d in enumerate(parts):
+        if n:
+            t += gap
+        marks.append(("copy_start", i, t, t))
+        t += d
+        marks.append(("copy_end", i, t, t))
+    t += tail
+    marks.append(("experts_end", i, t, t))
+    return marks, t
+
+
+def _prefill(layers: int, **kw) -> list:
+    marks, t = [], 0.0
+    for i in range(layers):
+        got, t = _layer(i, t, **kw)
+        marks += got
+    return marks
+
+
+def test_split_of_a_synthetic_prefill():
+    kw = dict(attn=1.0, sync=0.5, plan=0.25, parts=[0.75, 0.75, 0.5], gap=0.125, tail=0.375)
+    got = split(_prefill(4, **kw))
+    med, total = got["median"], got["total"]
+    assert med["parts"] == 3
+    assert math.isclose(med["copy_ms"], 2.0) and math.isclose(med["copy_gaps_ms"], 0.25)
+    # from a layer's last copy to the next layer's first: tail, attention, sync, plan
+    assert math.isclose(med["boundary_ms"], 0.375 + 1.0 + 0.5 + 0.25)
+    assert math.isclose(med["boundary_gpu_ms"], 0.375 + 1.0 + 0.5)
+    assert math.isclose(med["boundary_plan_ms"], 0.25)
+    assert math.isclose(med["tail_ms"], 0.375)
+    assert math.isclose(med["host_attn_ms"], 1.0) and math.isclose(med["host_route_ms"], 0.5)
+    layer_ms = 1.0 + 0.5 + 0.25 + 2.0 + 0.25 + 0.375
+    assert math.isclose(med["host_call_ms"], layer_ms - 1.5)
+    assert math.isclose(med["device_layer_ms"], layer_ms) and math.isclose(med["host_layer_ms"], layer_ms)
+    assert total["streamed_layers"] == 4
+    assert math.isclose(total["device_ms"], 4 * layer_ms)
+    assert math.isclose(total["copy_ms"], 8.0) and math.isclose(total["copy_busy"], 8.0 / (4 * layer_ms))
+    assert math.isclose(total["boundary_ms"], 3 * 2.125)  # the first layer has no earlier copy
+    # device time = the first layer's lead + copies + gaps + boundaries + the last tail
+    lead = 1.0 + 0.5 + 0.25
+    assert math.isclose(total["device_ms"], lead + total["copy_ms"] + total["copy_gaps_ms"] + total["boundary_ms"] + 0.375)
+
+
+def test_a_read_ahead_shortens_the_next_boundary():
+    marks = _prefill(2, attn=1.0, sync=0.5, plan=0.25, parts=[1.0], gap=0.0, tail=0.5)
+    # a read-ahead that ends 0.5 ms after layer 0's last copy, queued by layer 0 for layer 1
+    end0 = next(d for w, L, _, d in marks if w == "copy_end" and L == 0)
+    marks.append(("ahead_end", 1, end0 + 0.5, end0 + 0.5))
+    marks.sort(key=lambda m: m[3])
+    got = split(marks)
+    row = got["layers"][1]
+    assert math.isclose(row["boundary_ms"], 0.5 + 1.0 + 0.5 + 0.25 - 0.5)
+
+
+def test_layers_without_copies_have_no_copy_figures():
+    marks = [("layer", 0, 0.0, 0.0), ("experts", 0, 1.0, 1.0), ("routed", 0, 1.5, 1.5), ("experts_end", 0, 2.0, 2.0),
+             ("layer", 1, 2.5, 2.5), ("experts", 1, 3.0, 3.0), ("experts_end", 1, 3.5, 3.5)]
+    got = split(marks)
+    assert got["total"]["streamed_layers"] == 0 and got["total"]["copy_ms"] == 0
+    assert "copy_ms" not in got["median"] and math.isclose(got["median"]["host_attn_ms"], 0.75)
+    assert math.isclose(got["layers"][0]["host_layer_ms"], 2.5)
