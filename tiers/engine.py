@@ -302,6 +302,9 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._static_hits = torch.zeros((), dtype=torch.long, device=device)  # lookups on static layers, counted on the device
         self._static_host_hits = 0  # ... and those of one-token calls, counted on the host
         self.first_layer = min((L for L in manifest.layers if L not in self.static_maps), default=None)
+        # after a long forward's call at this layer is queued, its earlier whole-layer calls count
+        # (``settle_after``); None: only at the next call that waits, at stats, or once too many wait
+        self.settle_layer = max((L for L in manifest.layers if L not in self.static_maps), default=None)
         self.rebalancer = (
             Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
         )

@@ -234,10 +234,11 @@ def tiers_grouped_experts_forward(
                 return batched_mm_experts_forward(proxy, h, static[idx], w)
         return mgr.graphs.run(("static", binding.layer), bound, step, (hidden_states, top_k_index, top_k_weights))
     if mgr.whole_layer(binding.layer, *top_k_index.shape):
-        if len(mgr.unsettled) >= mgr.UNSETTLED_CALLS:  # else counted at the next call that waits, off a prefill's host path
+        if len(mgr.unsettled) >= mgr.UNSETTLED_CALLS:  # else counted after the forward's last layer, or at the next call that waits
             mgr.settle(block=False)
         out = _grouped_whole(self, binding, hidden_states, top_k_index, top_k_weights)
         if out is not None:
+            mgr.settle_after(binding.layer)
             return out
     mgr.settle()  # this call counts after the whole-layer calls before it
     noted = False

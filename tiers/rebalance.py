@@ -324,10 +324,11 @@ class Rebalancer:
         """A layer call begins: count its lookups. At the first layer, land whatever has finished,
         count the tokens, and when an interval closes plan and issue a rebalance. Swaps land only
         there, between two layer calls, never inside one. A whole-layer call is noted when it is
-        counted (``settle``): at the next call that waits for its routing, usually the next
-        forward's first, but once ``UNSETTLED_CALLS`` wait, at a whole-layer call's start, which
-        can be inside a later forward (back-to-back long prompts): its swaps and the fences of the
-        reads it issues then fall inside that forward."""
+        counted (``settle``): after the last pooled layer's whole-layer call of a later forward
+        (``settle_after``) or at the next call that waits for its routing, whichever comes first;
+        only once ``UNSETTLED_CALLS`` wait (a model whose last layer's calls are not whole-layer
+        ones), at a whole-layer call's start, which can be inside a forward: its swaps and the
+        fences of the reads it issues then fall inside that forward."""
         if not self.movable(layer):
             return
         if first:

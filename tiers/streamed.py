@@ -307,9 +307,12 @@ class StreamedCalls:
     WHOLE_LAYER_MISS = 1e-3  # a whole-layer call: each expert unrouted with chance at most this under uniform routing
     WHOLE_LAYER_ROWS = 1 << 17  # ... and at most this many (token, pick) rows: each part gathers up to T·k of them
     WHOLE_LAYER_USED = 0.9  # ... and the layer's last such call used at least this share of the warm experts it could
-    # Whole-layer calls are counted at the next call that waits for its routing (or at stats), or,
-    # once this many wait, as their rows land: on the H200, counting each at the next one's
-    # start took 0.45 ms of a Qwen3-30B-A3B layer's 12 ms of host time (prefill_split-*-whole.json).
+    # Whole-layer calls are counted at the next call that waits for its routing (or at stats),
+    # after the last pooled layer's call of a forward is queued (``settle_after``), or, once this
+    # many wait, as their rows land at a whole-layer call's start: on the H200, counting each at
+    # the next one's start took 0.45 ms of a Qwen3-30B-A3B layer's 12 ms of host time
+    # (prefill_split-*-whole.json), and counting 64 at once inside a 2048-token prefill, with
+    # the rebalances they closed, made that prefill 5-39 ms slower (bench-qwen3_moe-run42.json).
     UNSETTLED_CALLS = 64
 
     def long_call(self, layer: int, tokens: int, top_k: int) -> bool:
@@ -356,6 +359,16 @@ class StreamedCalls:
         w.done = self.streams.event()
         w.done.record(self.streams.current())
         self.unsettled.append(s)
+
+    def settle_after(self, layer: int) -> None:
+        """A whole-layer call at ``layer`` is queued: if it is the forward's last pooled layer
+        (``settle_layer``), count the whole-layer calls whose rows have landed, without waiting.
+        There the device still has that call's reads and kernels to run, so on a host ahead of it
+        the counting (and the rebalances it closes) overlaps them, where inside the forward it
+        would hold back the next layer's reads; what has not landed yet (usually this forward's
+        calls) is counted at the next forward's end or earlier."""
+        if layer == self.settle_layer:
+            self.settle(block=False)
 
     def settle(self, block: bool = True) -> None:
         """Count the whole-layer calls whose rows per expert have reached the host, in call order:

@@ -541,6 +541,7 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
         mgr.whole_calls = True
     mgr.reset_stats()
     mgr.UNSETTLED_CALLS = 2  # a whole call counts the landed ones before it once two wait
+    mgr.settle_layer = None  # ... and the last layer's call counts nothing after it (tested below)
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -563,6 +564,51 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
     assert s.bytes_moved["cpu"] == blob * sum(map(len, read))
     for (layer, *_), a, b in zip(calls, want, got):
         _assert_close(a, b, device, f"layer {layer}")
+    _assert_consistent(mgr)
+
+
+def test_the_last_layers_whole_call_counts_the_landed_ones_without_a_sync(device, packed_factory):
+    """After a forward's last pooled layer's whole-layer call is queued, the whole-layer calls
+    whose rows have landed are counted there, with no host sync (CUDA's sync debug mode raises on
+    one): on the CPU, where they land as they run, the whole pass; on CUDA, at least the pass
+    before (landed: synchronized), never a call before the last layer's. The counts equal those
+    of the same calls settled by ``stats``."""
+    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16"), device=device, progress=False)
+    mgr = manager_of(model)
+    calls = [c for c in _calls(model, 64, seed=11) if c[0] not in mgr.static_maps]
+    assert len(calls) >= 2 and all(mgr.whole_layer(c[0], *c[4].shape) for c in calls)
+    assert mgr.settle_layer == calls[-1][0]
+    mgr.UNSETTLED_CALLS = 1 << 30  # only the last layer's rule counts
+    used = [_used(c[4].cpu()) for c in calls]
+    mgr.reset_stats()
+
+    def run(debug: bool) -> None:
+        if device.type == "cuda" and debug:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.no_grad():
+                for i, (_, _, mod, x, idx, w) in enumerate(calls):
+                    mod(x, idx, w)
+                    if i < len(calls) - 1:  # nothing is counted before the last layer's call
+                        assert sum(mgr.stats_.hits.values()) == counted, f"counted after layer {calls[i][0]}"
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    counted = 0
+    run(debug=False)
+    if device.type == "cpu":
+        assert not mgr.unsettled and sum(mgr.stats_.hits.values()) == sum(map(len, used))
+    counted = sum(mgr.stats_.hits.values())
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the first pass's rows have landed
+    run(debug=True)
+    first = sum(mgr.stats_.hits.values())
+    assert first >= sum(map(len, used)), "the pass before was not counted at the last layer"
+    assert len(mgr.unsettled) <= len(calls)
+    s = mgr.stats()
+    assert not mgr.unsettled and sum(s.hits.values()) == 2 * sum(map(len, used))
+    assert s.streamed["whole"] == 2 * len(calls)
     _assert_consistent(mgr)
 
 
