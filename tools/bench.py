@@ -319,14 +319,18 @@ def run(args) -> dict:
             sync(device)
         if device.type == "cuda":
             extra["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(device) - resident
-        mgr.reset_stats()  # the timed prefills' bytes only: the warm-up's whole-layer reads follow no earlier call
-        # prefill as decode: each repetition times the arm and then the paired model (warmed up once)
+        # prefill as decode: each repetition times the arm and then the paired model, after one
+        # such alternation untimed: the warm-up above only warms the whole-layer graphs up, the
+        # next prefill captures them (the first timed prefill was 7-44 ms slower than the next in
+        # every arm of bench-qwen3_moe-run42.json, with the rebalancer or without)
         prefill_reps = max(PREFILL_REPS_MIN, arm_reps - 1)
         extra["prefill_reps"] = prefill_reps
         with routed(paired, name):
             with torch.no_grad():
                 paired(prefill_ids)
                 sync(device)
+            extra["prefill_warm_s"] = [t for ts in paired_timings(lambda: m(prefill_ids), lambda: paired(prefill_ids), device, 1) for t in ts]
+            mgr.reset_stats()  # the timed prefills' bytes only: the warm-ups' whole-layer reads follow no earlier call
             arm_s, pair_s = paired_timings(lambda: m(prefill_ids), lambda: paired(prefill_ids), device, prefill_reps)
         extra["prefill_s"], extra["paired_prefill_s"] = statistics.median(arm_s), statistics.median(pair_s)
         # each timed prefill, the arm's and its pair's, in the order they ran: how far a run's

@@ -269,10 +269,11 @@ def test_prefill_is_timed_at_least_prefill_reps_min_times(tmp_path, monkeypatch)
     monkeypatch.setattr(bench, "paired_timings", spy)
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "2",
                      "--interleave", "0", "--arms", "tiers_25_int8", "--out", str(tmp_path)])
-    assert rc == 0 and asked == [bench.PREFILL_REPS_MIN]
+    assert rc == 0 and asked == [1, bench.PREFILL_REPS_MIN]  # the untimed alternation, then the timed ones
     row = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
     assert row["prefill_reps"] == bench.PREFILL_REPS_MIN and "interleaved" not in row  # --interleave 0: none
     # every timed prefill is kept, the arm's and its pair's, and the medians are theirs
     assert len(row["prefill_s_per_rep"]) == len(row["paired_prefill_s_per_rep"]) == bench.PREFILL_REPS_MIN
+    assert len(row["prefill_warm_s"]) == 2  # one untimed alternation, arm then pair
     assert row["prefill_s"] == statistics.median(row["prefill_s_per_rep"])
     assert row["paired_prefill_s"] == statistics.median(row["paired_prefill_s_per_rep"])
