@@ -115,6 +115,7 @@ class DirectDecoder:
         # interval), laid out as the residency table's grid: one row per layer
         grid = self.table.grid
         self._usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=self.device) if self.rebalancer else None
+        self._usage_pending = False  # a direct call may have counted picks since the last take
         # the decode stage's layer calls and the bytes their misses read, per pool: host-routed ones
         # counted as they stage, direct ones from the device counters (read when the stage ends);
         # the last stage's mean per call decides the next stage's path (``DIRECT_MISS_BYTES``)
@@ -235,11 +236,16 @@ class DirectDecoder:
 
     def take_direct_usage(self) -> np.ndarray | None:
         """Picks per expert counted by direct calls since the last take, per cell of the residency
-        table's grid (one sync), then zeroed; None when direct calls count nothing."""
-        if self._usage is None or self._direct_layers is None:
+        table's grid (one sync), then zeroed; None when direct calls count nothing, or none ran
+        since the last take: then there is nothing to read, and no sync (an interval that only
+        long prompts closed would otherwise wait for the device at its rebalance, which after a
+        prefill's last layer waits for that layer's reads: 8 ms of a 90 ms prefill in
+        bench-qwen3_moe-run44.json)."""
+        if self._usage is None or self._direct_layers is None or not self._usage_pending:
             return None
         taken = self._usage.reshape(-1).to("cpu", copy=True).numpy()
         self._usage.zero_()
+        self._usage_pending = False
         return taken
 
     def begin_decode(self) -> None:
@@ -350,6 +356,7 @@ class DirectDecoder:
         if d is None:
             self._leave_direct(self.pool_of[layer])
             return None
+        self._usage_pending = True
         flat = top_k_index.reshape(-1)
         cache, row = self._reserved[id(d.pool)].cache, self.table.grid.row[layer]
         src = self.host.slab

@@ -377,15 +377,17 @@ class Rebalancer:
         if move.to is Home.GPU:
             if not self.hot_moves:
                 return False
-            free = [i for i in range(len(self.buffers)) if i not in {r.buffer for r in self.hot_reads.values()}]
+            # a buffer is free once no read fills it and its last promotion's copy up has read it;
+            # a copy up still queued is not waited for (it is queued behind every copy before it,
+            # a prefill's reads among them): the move waits for a later rebalance instead
+            reading = {r.buffer for r in self.hot_reads.values()}
+            free = [i for i in range(len(self.buffers))
+                    if i not in reading and (self.buffer_busy[i] is None or self.buffer_busy[i].query())]
             spares = self.spares[id(pool)]
             if not free or not spares:
                 return False
             i = free[0]
-            busy = self.buffer_busy[i]
-            if busy is not None:
-                busy.synchronize()  # the last promotion's copy up may still read this buffer
-                self.buffer_busy[i] = None
+            self.buffer_busy[i] = None
             spare = spares.pop()
             out = self._read_into_place(move.replaces, spare)
             self.hot_reads[move.key] = _HotRead(self._submit(mgr.disk.read, move.key, mgr.cfg.gpu.precision, self.buffers[i]), i,

@@ -333,6 +333,35 @@ def test_direct_decode_with_the_rebalancer(device, checkpoint_factory, packed_fa
     mgr.close()
 
 
+def test_the_rebalancer_reads_the_direct_counts_only_after_a_direct_call(device, packed_factory, monkeypatch):
+    """The device's direct-decode counts are read (a sync) only when a direct call ran since the
+    last take: an interval that only long prompts closed takes nothing and reads nothing."""
+    cfg = {"tiers": DIRECT_BF16["tiers"] | {"rebalance": {"every_tokens": 2}}}
+    model, mgr = _load(packed_factory("mixtral"), cfg, device)
+    mgr.begin_decode()  # builds the direct tables
+    assert mgr._direct_layers
+    reads = []
+    usage = mgr._usage
+
+    class Spy:
+        def reshape(self, *a):
+            reads.append(1)
+            return usage.reshape(*a)
+
+        def zero_(self):
+            return usage.zero_()
+    monkeypatch.setattr(mgr, "_usage", Spy())
+    assert mgr.take_direct_usage() is None and not reads, "nothing ran: nothing to read"
+    layer = next(iter(mgr._direct_layers))
+    idx = torch.tensor([[0, 1]], device=device)
+    assert mgr.fetch_direct(layer, idx) is not None
+    got = mgr.take_direct_usage()
+    assert reads == [1] and mgr.table.grid.counter(got) == Counter({ExpertKey(layer, 0): 1, ExpertKey(layer, 1): 1})
+    assert mgr.take_direct_usage() is None and reads == [1], "taken already: nothing new to read"
+    mgr.end_decode()
+    mgr.close()
+
+
 def test_direct_reads_config_key():
     from tiers.config import parse_config
 

@@ -396,6 +396,35 @@ def test_a_held_hot_slot_is_not_swapped_until_released(packed_factory, truth):
     mgr.close()
 
 
+def test_a_promotion_never_waits_for_a_buffers_last_copy_up(packed_factory, truth):
+    """A promotion buffer whose last copy up the device has not run yet is not free: the
+    rebalancer issues no hot move into it rather than wait for it (a host sync behind every copy
+    queued before it), and issues the move at a later rebalance once that copy is done."""
+    mgr = manager(packed_factory("mixtral"), every=1, max_moves=1)
+    rb = mgr.rebalancer
+
+    class Queued:  # a copy up the device has not run: waiting for it would block the host
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("the rebalancer waited for a buffer's copy up")
+    queued = [Queued() for _ in rb.buffers]
+    rb.buffer_busy[:] = queued
+    newcomer = next(K(0, e) for e in range(8) if not mgr.table[K(0, e)].pinned)
+    rb.window.count([newcomer] * 20)
+    assert rb.rebalance(rb.window.frequency()) == [] and not rb.hot_reads
+    queued[-1].done = True  # one buffer's copy up has run: that one is free
+    moves = rb.rebalance(rb.window.frequency())
+    assert [m.key for m in moves] == [newcomer] and [r.buffer for r in rb.hot_reads.values()] == [len(rb.buffers) - 1]
+    rb.land(wait=True)
+    assert mgr.table[newcomer].pinned
+    drive(mgr, [(0, [newcomer.expert])], truth)
+    mgr.close()
+
+
 def test_hot_swap_forks_the_compute_stream_before_the_copy(packed_factory):
     """The outgoing hot slot has no last-read event: the copy stream must wait on an event
     recorded on the compute stream at the swap, before the copy into the slot is queued."""
