@@ -567,14 +567,29 @@ def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(precision, 
     _assert_consistent(mgr)
 
 
-def test_the_last_layers_whole_call_counts_the_landed_ones_without_a_sync(device, packed_factory):
+@pytest.mark.parametrize("rebalance", [False, True])
+def test_the_last_layers_whole_call_counts_the_landed_ones_without_a_sync(rebalance, device, packed_factory, monkeypatch):
     """After a forward's last pooled layer's whole-layer call is queued, the whole-layer calls
     whose rows have landed are counted there, with no host sync (CUDA's sync debug mode raises on
     one): on the CPU, where they land as they run, the whole pass; on CUDA, at least the pass
     before (landed: synchronized), never a call before the last layer's. The counts equal those
-    of the same calls settled by ``stats``."""
-    model = tiers.load(packed_factory("qwen3_moe"), _cfg("bf16"), device=device, progress=False)
+    of the same calls settled by ``stats``. With the rebalancer, the intervals those counts close
+    rebalance there too, and, no direct call having run since, none reads direct decode's device
+    counts (a sync)."""
+    cfg = _cfg("bf16")
+    if rebalance:
+        cfg["tiers"]["rebalance"] = {"every_tokens": 8}
+    model = tiers.load(packed_factory("qwen3_moe"), cfg, device=device, progress=False)
     mgr = manager_of(model)
+    taken = []
+    if rebalance:  # direct decode's tables built, as after a generate
+        if device.type == "cpu":
+            mgr.direct_decode = True  # the torch reference stands in for the kernel
+        mgr.begin_decode()
+        mgr.end_decode()
+        assert mgr._direct_layers
+        take = mgr.take_direct_usage
+        monkeypatch.setattr(mgr, "take_direct_usage", lambda: taken.append(take()) or taken[-1])
     calls = [c for c in _calls(model, 64, seed=11) if c[0] not in mgr.static_maps]
     assert len(calls) >= 2 and all(mgr.whole_layer(c[0], *c[4].shape) for c in calls)
     assert mgr.settle_layer == calls[-1][0]
@@ -609,6 +624,9 @@ def test_the_last_layers_whole_call_counts_the_landed_ones_without_a_sync(device
     s = mgr.stats()
     assert not mgr.unsettled and sum(s.hits.values()) == 2 * sum(map(len, used))
     assert s.streamed["whole"] == 2 * len(calls)
+    if rebalance:
+        assert s.rebalance["rebalances"] > 0 and taken and all(t is None for t in taken), taken
+        mgr.rebalancer.land(wait=True)
     _assert_consistent(mgr)
 
 
