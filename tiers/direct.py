@@ -237,10 +237,11 @@ class DirectDecoder:
     def take_direct_usage(self) -> np.ndarray | None:
         """Picks per expert counted by direct calls since the last take, per cell of the residency
         table's grid (one sync), then zeroed; None when direct calls count nothing, or none ran
-        since the last take: then there is nothing to read, and no sync (an interval that only
-        long prompts closed would otherwise wait for the device at its rebalance, which after a
-        prefill's last layer waits for that layer's reads: 8 ms of a 90 ms prefill in
-        bench-qwen3_moe-run44.json)."""
+        since the last take: then there is nothing to read, and no sync. Why: an interval that
+        only long prompts closed waited for the device at its rebalance, which after a prefill's
+        last layer means for that layer's reads and kernels, and the rest of the counting then ran
+        with the device idle (in bench-qwen3_moe-run44.json the marked 50% skewed prefill ended
+        with the host and the device at the same instant, its tail 8 ms longer than run 42's)."""
         if self._usage is None or self._direct_layers is None or not self._usage_pending:
             return None
         taken = self._usage.reshape(-1).to("cpu", copy=True).numpy()
