@@ -533,6 +533,38 @@ def test_generate_with_rebalancing_is_bit_identical(compute, device, checkpoint_
     manager_of(model).close()
 
 
+def test_back_to_back_long_prompts_with_rebalancing_are_bit_identical(checkpoint_factory, packed_factory):
+    """Long prompts, one after another, read their layers whole (no host sync); each forward's
+    calls are counted after a later forward's last layer, where the rebalances they close are
+    planned and the swaps of earlier ones land. Moving experts between those forwards changes no
+    logit of any prompt, nor of a generate after them (all tiers bf16, the CPU: bit-identical)."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
+    ref.set_experts_implementation("grouped_mm")
+    cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"},
+                     "nvme": {"precision": "bf16"},  # every expert not hot is warm: the layers can be read whole
+                     "rebalance": {"every_tokens": 2, "margin": 0.0, "significance": 0.0, "window": 2}}}
+    model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
+    mgr = manager_of(model)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (1, 64), generator=g) for _ in range(6)]
+    assert all(mgr.whole_layer(L, 64, model.config.num_experts_per_tok) for L in mgr.manifest.layers if L not in mgr.static_maps)
+    hot0 = {k for k, r in mgr.table.items() if r.pinned}
+    with torch.no_grad():
+        for ids in prompts:
+            assert torch.equal(ref(ids).logits, model(ids).logits)
+    assert mgr.stats_.whole_calls >= len(prompts), "the prompts did not read their layers whole"
+    mgr.rebalancer.land(wait=True)
+    assert {k for k, r in mgr.table.items() if r.pinned} != hot0, "nothing moved between the prompts"
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    a, b = ref.generate(prompts[0], **kw), model.generate(prompts[0], **kw)
+    assert torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    s = tiers.stats(model)
+    assert s.rebalance["rebalances"] >= len(prompts) - 1 and s.rebalance["promoted_hot"] > 0
+    mgr.close()
+
+
 @pytest.mark.parametrize("fail_out", [False, True])
 def test_a_demoted_hot_expert_is_warm_at_once(packed_factory, truth, monkeypatch, fail_out):
     """The outgoing expert's cpu blob is read before the swap, so it never becomes a disk read on
