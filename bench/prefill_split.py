@@ -68,7 +68,7 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.timeline import Marks, hook_layers, instrument, split  # noqa: E402
+from tools.timeline import Marks, hook_layers, marking, split  # noqa: E402
 
 H2D_BYTES_PER_S = 55e9
 
@@ -243,21 +243,17 @@ def main() -> int:
             moved = sum(st.bytes_moved.values()) / 2  # prefill_seconds warms up once
             ahead = {k: st.prefetch[k] for k in ("issued", "used", "accuracy", "wasted_bytes")}  # over both
             marks = Marks(cuda)
-            undo = instrument(m, mgr, marks)
             steps = Steps()
-            for attr in (a for a in STEPS if hasattr(mgr, a)):
-                steps.wrap(mgr, attr, attr)
-            for attr in ("_route", "_run_windows", "_grouped_whole", "_whole_plan"):
-                steps.wrap(integration, attr, attr)
-            try:
-                marks.on = True
-                with torch.no_grad():
-                    m(ids)
-                marks.on = False
-            finally:
-                steps.restore()
-                for u in reversed(undo):
-                    u()
+            with marking(m, mgr, marks):
+                for attr in (a for a in STEPS if hasattr(mgr, a)):
+                    steps.wrap(mgr, attr, attr)
+                for attr in ("_route", "_run_windows", "_grouped_whole", "_whole_plan"):
+                    steps.wrap(integration, attr, attr)
+                try:
+                    with torch.no_grad():
+                        m(ids)
+                finally:
+                    steps.restore()
             s = split(marks.resolved())
             s["host_steps_ms"] = {k: v / args.layers for k, v in steps.ms.items()}
             s["host_step_calls"] = {k: v / args.layers for k, v in steps.calls.items()}

@@ -329,9 +329,10 @@ def run(args) -> dict:
             with torch.no_grad():
                 paired(prefill_ids)
                 sync(device)
-            extra["prefill_warm_s"] = [t for ts in paired_timings(lambda: m(prefill_ids), lambda: paired(prefill_ids), device, 1) for t in ts]
+            arm_prefill, pair_prefill = (lambda: m(prefill_ids)), (lambda: paired(prefill_ids))
+            extra["prefill_warm_s"] = [t for ts in paired_timings(arm_prefill, pair_prefill, device, 1) for t in ts]
             mgr.reset_stats()  # the timed prefills' bytes only: the warm-ups' whole-layer reads follow no earlier call
-            arm_s, pair_s = paired_timings(lambda: m(prefill_ids), lambda: paired(prefill_ids), device, prefill_reps)
+            arm_s, pair_s = paired_timings(arm_prefill, pair_prefill, device, prefill_reps)
         extra["prefill_s"], extra["paired_prefill_s"] = statistics.median(arm_s), statistics.median(pair_s)
         # each timed prefill, the arm's and its pair's, in the order they ran: how far a run's
         # slow ones lie from the median (one arm's prefill moved 78-87 ms between runs)

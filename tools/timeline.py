@@ -6,11 +6,12 @@ and each experts call's start and end; ``instrument`` adds, for a Tiers model, t
 call's route sync, each streamed part's copies (events on the copy stream), each part's kernels and
 read-aheads; ``split`` turns one prefill's marks into per-layer and total figures (the copy
 stream's busy time, its gaps within a layer and at layer boundaries, the tails; the fields are
-described in ``bench/prefill_split.py``). Used by that script and by ``tools/bench.py
---prefill-marks``.
+described in ``bench/prefill_split.py``). ``marking`` takes the marks over a block, ``marked_prefill`` over one
+prefill. Used by that script and by ``tools/bench.py --prefill-marks``.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -168,6 +169,20 @@ def instrument(model, mgr, marks: Marks) -> list:
     return undo
 
 
+@contextlib.contextmanager
+def marking(model, mgr, marks: Marks):
+    """``instrument``'s marks on a Tiers ``model`` and its manager, taken while the block runs
+    (``marks.on``); the hooks and wrappers are undone after it, whatever it raised."""
+    undo = instrument(model, mgr, marks)
+    try:
+        marks.on = True
+        yield
+    finally:
+        marks.on = False
+        for u in reversed(undo):
+            u()
+
+
 def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     """One prefill of a Tiers ``model`` with every mark of ``instrument``, then counted
     (``mgr.stats()`` settles its whole-layer calls): ``split``'s per-layer and total figures, the
@@ -178,19 +193,13 @@ def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     marks = Marks(cuda)
     before = sum(mgr.stats().bytes_moved.values())
     counts = dict(mgr.rebalancer.counts) if mgr.rebalancer is not None else {}
-    undo = instrument(model, mgr, marks)
-    try:
-        marks.on = True
+    with marking(model, mgr, marks):
         t0 = time.perf_counter()
         with torch.no_grad():
             model(ids)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-        marks.on = False
-    finally:
-        for u in reversed(undo):
-            u()
     out = split(marks.resolved())
     moved = sum(mgr.stats().bytes_moved.values()) - before
     copy_ms = out["total"]["copy_ms"]

@@ -78,3 +78,37 @@ def test_layers_without_copies_have_no_copy_figures():
     assert got["total"]["streamed_layers"] == 0 and got["total"]["copy_ms"] == 0
     assert "copy_ms" not in got["median"] and math.isclose(got["median"]["host_attn_ms"], 0.75)
     assert math.isclose(got["layers"][0]["host_layer_ms"], 2.5)
+
+
+def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_raises(packed_factory):
+    import pytest
+    import torch
+
+    import tiers
+    import tiers.integration as integration
+    from tiers.integration import manager_of
+    from tools.timeline import Marks, marking
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"},
+                     "nvme": {"precision": "bf16"}}}
+    model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
+    mgr = manager_of(model)
+    route, attrs = integration._route, set(vars(mgr))
+    hooks = [(len(layer._forward_pre_hooks), len(layer.mlp.experts._forward_hooks)) for layer in model.model.layers]
+    ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(1))
+    marks = Marks(cuda=False)
+    with marking(model, mgr, marks):
+        assert marks.on
+        with torch.no_grad():
+            model(ids)
+    assert not marks.on and {w for w, *_ in marks.raw} >= {"layer", "experts", "experts_end"}
+    taken = len(marks.raw)
+    with torch.no_grad():
+        model(ids)  # outside the block: no marks
+    assert len(marks.raw) == taken
+    with pytest.raises(RuntimeError, match="in the block"):
+        with marking(model, mgr, marks):
+            raise RuntimeError("in the block")
+    assert not marks.on and integration._route is route and set(vars(mgr)) == attrs
+    assert [(len(layer._forward_pre_hooks), len(layer.mlp.experts._forward_hooks)) for layer in model.model.layers] == hooks
+    mgr.close()
