@@ -2,7 +2,7 @@
 # The benchmark runs behind bench/results, on a CUDA machine; results go to ${OUT:-gpu-out}/results.
 # Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call)
 # Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
-# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run44.md, -mixtral-run37.md).
+# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run47.md, -mixtral-run38.md).
 set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
@@ -17,7 +17,7 @@ for model in ${1:-all}; do
       qwen3_moe) flags="--tokens 32 --reps 7 --rebalance-warmup 256" ;;  # decode ~16 ms/token: seven repetitions fit
       *) flags="--tokens 16 --reps 2 --rebalance-warmup 128" ;;          # Mixtral's slow arms take most of the call
     esac
-    timeout 560 python3 tools/bench.py --model "$m" $flags --slow-tokens 2 --prefill-marks 1 --arms "$arms" --copy-sweep --cold-read-gb 1 \
+    timeout 560 python3 tools/bench.py --model "$m" $flags --slow-tokens 2 --prefill-marks 3 --arms "$arms" --copy-sweep --cold-read-gb 1 \
       --hf-dir "$hf" --out "$out" 2>&1 | grep -v '%|' | tail -30 || rc=1
     rm -rf "$hf" /tmp/tiers-bench-*
   done
