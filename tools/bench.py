@@ -24,7 +24,10 @@ timed alone, ``tools.measure.interleaved_decode``), prefill time, bytes moved pe
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 ``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
-(``tiers.trace.TraceModel``). Writes ``bench-<model>.json`` and ``.md`` under ``--out``.
+(``tiers.trace.TraceModel``). The offload table holds each offloaded Tiers arm's largest decode
+overhead over its statistics against accelerate's and naive lazy's (``offload_overheads``).
+Writes ``bench-<model>.json`` and ``.md`` under ``--out``; ``--report FILE.json`` runs nothing and
+writes that JSON's Markdown again, its figures derived by this version.
 """
 import os
 import sys
@@ -525,6 +528,39 @@ def add_bounds(result: dict) -> dict:
     return result
 
 
+# The offload target: a Tiers arm's overhead per token at least this many times smaller than
+# accelerate's and naive lazy's (all three above the faster all-GPU measurement of their routing)
+OFFLOAD_TARGETS = {"accelerate": 50.0, "lazy": 10.0}
+
+
+def offload_overheads(result: dict) -> dict:
+    """Per offloaded Tiers arm (not the 100% one): its decode overhead per token above all-GPU by
+    each statistic the bench has (against the faster all-GPU measurement of its routing, the
+    median per repetition against its pair, the interleaved steps' mean), the largest of them,
+    and accelerate's and naive lazy's overhead above the faster uniform all-GPU measurement over
+    that largest one (None where the largest is not above zero: the arm is not slower than
+    all-GPU by any statistic). Empty without the accelerate and lazy arms."""
+    slow = {}
+    for name in OFFLOAD_TARGETS:
+        row, base = result["arms"].get(name), baseline(result, name).get("decode_ms_per_token")
+        if row and "error" not in row and base is not None:
+            slow[name] = row["decode_ms_per_token"] - base
+    out = {}
+    if len(slow) < len(OFFLOAD_TARGETS):
+        return out
+    for name, row in result["arms"].items():
+        if not name.startswith("tiers") or name.startswith("tiers_100") or "overhead_ms_per_token" not in row:
+            continue
+        il = row.get("interleaved") or {}
+        stats = {"faster_all_gpu": row["overhead_ms_per_token"], "per_rep": row.get("rep_overhead_ms_per_token"),
+                 "interleaved": il.get("overhead_ms_per_token")}
+        stats = {k: v for k, v in stats.items() if v is not None}
+        largest = max(stats.values())
+        out[name] = {"overhead_ms": stats, "largest_ms": largest,
+                     **{f"{k}_over": (v / largest if largest > 0 else None) for k, v in slow.items()}}
+    return {"overhead_ms": slow, "arms": out} if out else {}
+
+
 def markdown(r: dict) -> str:
     mib = 2**20
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
@@ -585,6 +621,26 @@ def markdown(r: dict) -> str:
                          f"| {sum(il['bytes_moved_per_token'].values()) / mib:.1f} | {il.get('bound_ms', 0):.2f} "
                          f"| {il['overhead_ms_per_token']:.2f} ({over(il.get('overhead_over_bytes_bound'))}) "
                          f"| {il['block_overhead_ms_per_token']:.2f} ({over(il.get('block_overhead_over_bytes_bound'))}) |")
+    offload = offload_overheads(r)
+    if offload:
+        slow = offload["overhead_ms"]
+        lines += ["", f"Offload overhead per token, ms above all-GPU: accelerate {slow['accelerate']:.1f}, naive lazy "
+                  f"{slow['lazy']:.1f} (against the faster uniform all-GPU measurement); each Tiers arm by every statistic "
+                  "above (against the faster all-GPU measurement of its routing, per repetition, interleaved), and theirs "
+                  "over its largest (target: at least "
+                  + " and ".join(f"{v:.0f}x {k}'s" for k, v in OFFLOAD_TARGETS.items()) + "; '-': not slower than all-GPU by any):", "",
+                  "| arm | against faster all-GPU | per repetition | interleaved | largest | accelerate's over it | lazy's over it |",
+                  "|---|---|---|---|---|---|---|"]
+
+        def ms(x):
+            return "-" if x is None else f"{x:.2f}"
+
+        def times(x):
+            return "-" if x is None else f"{x:.1f}x"
+        for name, a in offload["arms"].items():
+            o = a["overhead_ms"]
+            lines.append(f"| {name} | {ms(o.get('faster_all_gpu'))} | {ms(o.get('per_rep'))} | {ms(o.get('interleaved'))} "
+                         f"| {ms(a['largest_ms'])} | {times(a['accelerate_over'])} | {times(a['lazy_over'])} |")
     if r.get("cache_replay"):
         lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
                   "| trace | lookups | belady | lru | lfu | forecast | markov | forecast / belady | markov / belady |",
@@ -603,6 +659,21 @@ def markdown(r: dict) -> str:
         lines += ["", "Cold reads (page cache dropped) against O_DIRECT, same blobs, same run:", "", "```",
                   json.dumps(r["cold_read"], indent=1), "```"]
     return "\n".join(lines) + "\n"
+
+
+def report(path: Path) -> int:
+    """``--report``: the Markdown of a bench JSON written by this tool, its bounds and summaries
+    derived again, next to it (the JSON itself is left as it is)."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        sys.exit(f"--report {path}: not a readable bench JSON ({e})")
+    if not isinstance(result, dict) or not isinstance(result.get("arms"), dict) or "command" not in result:
+        sys.exit(f"--report {path}: not a bench JSON (no 'arms' or 'command')")
+    md = markdown(add_bounds(result))
+    path.with_suffix(".md").write_text(md)
+    print(md)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -646,7 +717,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
+    ap.add_argument("--report", metavar="JSON",
+                    help="run nothing: rewrite the Markdown beside this bench JSON from it (figures derived again)")
     args = ap.parse_args(argv)
+    if args.report:
+        return report(Path(args.report))
     block = max(INTERLEAVE_BLOCK, args.rebalance_every)
     if args.interleave < 0 or 0 < args.interleave < block:
         ap.error(f"--interleave: expected 0 or at least one block of {block} steps, got {args.interleave}")

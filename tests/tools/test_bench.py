@@ -277,3 +277,63 @@ def test_prefill_is_timed_at_least_prefill_reps_min_times(tmp_path, monkeypatch)
     assert len(row["prefill_warm_s"]) == 2  # one untimed alternation, arm then pair
     assert row["prefill_s"] == statistics.median(row["prefill_s_per_rep"])
     assert row["paired_prefill_s"] == statistics.median(row["paired_prefill_s_per_rep"])
+
+
+def _offload_result() -> dict:
+    """All-GPU at 10 ms (uniform, the faster of two) and 8 ms (skewed); accelerate and lazy 1010
+    and 110 ms; three offloaded Tiers arms and the 100% one."""
+    arms = {"all_gpu": {"decode_ms_per_token": 12.0}, "all_gpu/end": {"decode_ms_per_token": 10.0},
+            "all_gpu@skewed": {"decode_ms_per_token": 8.0}, "all_gpu@skewed/end": {"decode_ms_per_token": 9.0},
+            "lazy": {"decode_ms_per_token": 110.0}, "accelerate": {"decode_ms_per_token": 1010.0},
+            "tiers_100_bf16": {"decode_ms_per_token": 9.0, "bytes_moved_per_token": {}},
+            # 2 ms above the faster all-GPU, 4 per repetition, 1 interleaved: the largest is 4
+            "tiers_25_int8": {"decode_ms_per_token": 12.0, "bytes_moved_per_token": {"cpu": 55e6},
+                              "decode_ms_per_rep": [14.0], "paired_decode_ms_per_rep": [10.0],
+                              "interleaved": {"tokens": 8, "arm_ms_per_token": 11.0, "pair_ms_per_token": 10.0,
+                                              "overhead_ms_per_token": 1.0, "block_overhead_ms_per_token": 1.0,
+                                              "bytes_moved_per_token": {"cpu": 55e6}}},
+            # held against the skewed all-GPU measurement: 18 - 8 = 10 ms
+            "tiers_25_int8@skewed": {"decode_ms_per_token": 18.0, "bytes_moved_per_token": {"cpu": 55e6}},
+            # faster than all-GPU by every statistic
+            "tiers_50_int8": {"decode_ms_per_token": 9.5, "bytes_moved_per_token": {"cpu": 55e6}}}
+    return bench.add_bounds({"arms": arms, "command": "python tools/bench.py"})
+
+
+def test_offload_overheads_take_each_arms_largest_statistic():
+    off = bench.offload_overheads(_offload_result())
+    assert off["overhead_ms"] == {"accelerate": pytest.approx(1000.0), "lazy": pytest.approx(100.0)}
+    assert set(off["arms"]) == {"tiers_25_int8", "tiers_25_int8@skewed", "tiers_50_int8"}  # not the 100% arm
+    a = off["arms"]["tiers_25_int8"]
+    assert a["overhead_ms"] == {"faster_all_gpu": pytest.approx(2.0), "per_rep": pytest.approx(4.0), "interleaved": pytest.approx(1.0)}
+    assert a["largest_ms"] == pytest.approx(4.0)
+    assert a["accelerate_over"] == pytest.approx(250.0) and a["lazy_over"] == pytest.approx(25.0)
+    s = off["arms"]["tiers_25_int8@skewed"]
+    assert s["largest_ms"] == pytest.approx(10.0) and s["lazy_over"] == pytest.approx(10.0)
+    faster = off["arms"]["tiers_50_int8"]
+    assert faster["largest_ms"] == pytest.approx(-0.5) and faster["accelerate_over"] is None and faster["lazy_over"] is None
+    r = _offload_result()
+    del r["arms"]["lazy"]
+    assert bench.offload_overheads(r) == {}  # no ratio without both slow arms
+
+
+def test_report_rewrites_the_markdown_from_a_bench_json(tmp_path, capsys):
+    r = _offload_result()
+    r.update(model="mixtral", shape={"layers": 2}, device="cpu", experts=8, expert_bytes_bf16=2**30, decode_tokens=4,
+             prefill_tokens=16, routing={"skewed": {}})
+    for a in r["arms"].values():
+        a.setdefault("decode_tok_s", 1e3 / a["decode_ms_per_token"])
+        a.setdefault("prefill_s", 0.01)
+        a.setdefault("prefill_bytes_moved", 0.0)
+    path = tmp_path / "bench-mixtral-run1.json"
+    path.write_text(json.dumps(r))
+    assert bench.main(["--report", str(path)]) == 0
+    md = (tmp_path / "bench-mixtral-run1.md").read_text()
+    assert "| tiers_25_int8 | 2.00 | 4.00 | 1.00 | 4.00 | 250.0x | 25.0x |" in md
+    assert "| tiers_50_int8 | -0.50 | - | - | -0.50 | - | - |" in md
+    assert json.loads(path.read_text()) == r  # the JSON is left as it was
+    capsys.readouterr()
+    bad = tmp_path / "bench-bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--report", str(bad)])
+    assert "bench-bad.json" in str(e.value.code)
