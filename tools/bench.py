@@ -525,6 +525,9 @@ def add_bounds(result: dict) -> dict:
             if row.get("paired_prefill_s") is not None:  # the same bound with the interleaved all-GPU prefill
                 row["paired_prefill_bound_s"] = max(row["paired_prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
                 row["prefill_over_paired_bound"] = row["prefill_s"] / row["paired_prefill_bound_s"]
+    offload = offload_overheads(result)
+    if offload:
+        result["offload"] = offload
     return result
 
 

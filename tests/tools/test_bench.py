@@ -300,7 +300,9 @@ def _offload_result() -> dict:
 
 
 def test_offload_overheads_take_each_arms_largest_statistic():
-    off = bench.offload_overheads(_offload_result())
+    r = _offload_result()
+    off = bench.offload_overheads(r)
+    assert r["offload"] == off  # add_bounds keeps it in the results (the JSON)
     assert off["overhead_ms"] == {"accelerate": pytest.approx(1000.0), "lazy": pytest.approx(100.0)}
     assert set(off["arms"]) == {"tiers_25_int8", "tiers_25_int8@skewed", "tiers_50_int8"}  # not the 100% arm
     a = off["arms"]["tiers_25_int8"]
