@@ -332,10 +332,13 @@ def run(args) -> dict:
             with torch.no_grad():
                 paired(prefill_ids)
                 sync(device)
-            arm_prefill, pair_prefill = (lambda: m(prefill_ids)), (lambda: paired(prefill_ids))
+            noted = PrefillNotes(m, mgr, prefill_ids)
+            arm_prefill, pair_prefill = noted, (lambda: paired(prefill_ids))
             extra["prefill_warm_s"] = [t for ts in paired_timings(arm_prefill, pair_prefill, device, 1) for t in ts]
             mgr.reset_stats()  # the timed prefills' bytes only: the warm-ups' whole-layer reads follow no earlier call
+            noted.rows.clear()
             arm_s, pair_s = paired_timings(arm_prefill, pair_prefill, device, prefill_reps)
+        extra["prefill_notes"] = noted.rows
         extra["prefill_s"], extra["paired_prefill_s"] = statistics.median(arm_s), statistics.median(pair_s)
         # each timed prefill, the arm's and its pair's, in the order they ran: how far a run's
         # slow ones lie from the median (one arm's prefill moved 78-87 ms between runs)
@@ -428,6 +431,33 @@ def run(args) -> dict:
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     return result
+
+
+class PrefillNotes:
+    """A Tiers arm's prefill as a callable that notes, per call, what the host saw without a sync
+    or a count that waits: the host's time until the forward returned (``host_s``; the timing
+    around it adds the device's tail), the whole-layer graphs warmed up, captured and replayed
+    meanwhile, the bytes queued for reading, and what the rebalancer did (the change of each of
+    its counters). Why: one arm's timed prefills split into a fast and a slow group ten ms apart
+    for the same bytes (bench-qwen3_moe-run46.json), and the marked prefills after them, which
+    were fast, could not tell why."""
+
+    def __init__(self, model, mgr, ids: torch.Tensor):
+        self.model, self.mgr, self.ids = model, mgr, ids
+        self.rows: list[dict] = []
+
+    def __call__(self) -> None:
+        mgr, g = self.mgr, self.mgr.whole_graphs
+        rb = mgr.rebalancer
+        before = (g.eager_calls, g.captured, g.replayed, sum(mgr.stats_.bytes_moved.values()), dict(rb.counts) if rb else {})
+        t0 = time.perf_counter()
+        self.model(self.ids)
+        host = time.perf_counter() - t0
+        counts = before[4]
+        self.rows.append({"host_s": host, "graphs_eager": g.eager_calls - before[0], "graphs_captured": g.captured - before[1],
+                          "graphs_replayed": g.replayed - before[2],
+                          "queued_bytes": sum(mgr.stats_.bytes_moved.values()) - before[3],
+                          "rebalancer": {k: rb.counts[k] - v for k, v in counts.items()} if rb else {}})
 
 
 def paired_timings(arm, pair, device, reps: int) -> tuple[list[float], list[float]]:

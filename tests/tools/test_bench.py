@@ -125,6 +125,15 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     assert t["rebalance"]["rebalances"] > 0
     off = r["arms"]["tiers_25_int8@skewed_norebal"]
     assert off["rebalance"] == {} and off["config"]["tiers"]["rebalance"]["every_tokens"] == 0
+    # each timed prefill's notes, the warm-up's left out: what it queued adds up to what the arm moved
+    for arm in (t, off):
+        notes = arm["prefill_notes"]
+        assert len(notes) == arm["prefill_reps"] == len(arm["prefill_s_per_rep"])
+        assert all(0 < n["host_s"] for n in notes)
+        assert all(n["graphs_captured"] == n["graphs_eager"] == n["graphs_replayed"] == 0 for n in notes)  # no graphs on the CPU
+    assert sum(n["queued_bytes"] for n in off["prefill_notes"]) == pytest.approx(off["prefill_bytes_moved"] * off["prefill_reps"])
+    assert sum(n["queued_bytes"] for n in off["prefill_notes"]) > 0
+    assert sum(n["rebalancer"]["rebalances"] for n in t["prefill_notes"]) >= 1 and off["prefill_notes"][0]["rebalancer"] == {}
     skewed = [r["arms"]["all_gpu@skewed"], r["arms"]["all_gpu@skewed/end"]]
     base = min(a["decode_ms_per_token"] for a in skewed)  # the bound of a skewed arm uses the skewed baseline
     assert off["bound_ms_per_token"] >= base
@@ -339,3 +348,34 @@ def test_report_rewrites_the_markdown_from_a_bench_json(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--report", str(bad)])
     assert "bench-bad.json" in str(e.value.code)
+
+
+def test_prefill_notes_count_what_each_call_did():
+    """``PrefillNotes`` takes each counter's change over one call, not its running total."""
+    from types import SimpleNamespace
+
+    graphs = SimpleNamespace(eager_calls=5, captured=7, replayed=100)
+    rb = SimpleNamespace(counts={"rebalances": 3, "promoted_hot": 9})
+    mgr = SimpleNamespace(whole_graphs=graphs, rebalancer=rb, stats_=SimpleNamespace(bytes_moved={"cpu": 10, "nvme": 5}))
+    calls = []
+
+    def model(ids):  # a prefill that captures two graphs, replays 12, queues 40 bytes and rebalances once
+        calls.append(ids)
+        graphs.captured += 2
+        graphs.replayed += 12
+        mgr.stats_.bytes_moved["cpu"] += 40
+        rb.counts["rebalances"] += 1
+        if len(calls) == 2:
+            rb.counts["promoted_hot"] += 4
+    notes = bench.PrefillNotes(model, mgr, "ids")
+    notes()
+    notes()
+    assert calls == ["ids", "ids"]
+    first, second = notes.rows
+    assert first["graphs_captured"] == second["graphs_captured"] == 2 and first["graphs_replayed"] == 12
+    assert first["graphs_eager"] == 0 and first["queued_bytes"] == second["queued_bytes"] == 40
+    assert first["rebalancer"] == {"rebalances": 1, "promoted_hot": 0} and second["rebalancer"] == {"rebalances": 1, "promoted_hot": 4}
+    assert all(n["host_s"] >= 0 for n in notes.rows)
+    mgr.rebalancer = None
+    notes()
+    assert notes.rows[-1]["rebalancer"] == {}
