@@ -654,6 +654,18 @@ def markdown(r: dict) -> str:
                          f"| {sum(il['bytes_moved_per_token'].values()) / mib:.1f} | {il.get('bound_ms', 0):.2f} "
                          f"| {il['overhead_ms_per_token']:.2f} ({over(il.get('overhead_over_bytes_bound'))}) "
                          f"| {il['block_overhead_ms_per_token']:.2f} ({over(il.get('block_overhead_over_bytes_bound'))}) |")
+    noted = [(name, a) for name, a in r["arms"].items() if a.get("prefill_notes")]
+    if noted:
+        lines += ["", "Each timed prefill of a Tiers arm, in order: its time, the host's time until the forward returned, "
+                  "the whole-layer graphs it captured (and warmed up), the hot promotions that landed in it:", "",
+                  "| arm | prefill ms | host ms | graphs captured (warmed) | hot promotions |", "|---|---|---|---|---|"]
+        for name, a in noted:
+            notes = a["prefill_notes"]
+            cells = [", ".join(f"{t * 1e3:.1f}" for t in a["prefill_s_per_rep"]),
+                     ", ".join(f"{n['host_s'] * 1e3:.1f}" for n in notes),
+                     ", ".join(f"{n['graphs_captured']} ({n['graphs_eager']})" for n in notes),
+                     ", ".join(str(n["rebalancer"].get("promoted_hot", "-")) for n in notes)]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     offload = offload_overheads(r)
     if offload:
         slow = offload["overhead_ms"]

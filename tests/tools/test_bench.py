@@ -134,6 +134,11 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     assert sum(n["queued_bytes"] for n in off["prefill_notes"]) == pytest.approx(off["prefill_bytes_moved"] * off["prefill_reps"])
     assert sum(n["queued_bytes"] for n in off["prefill_notes"]) > 0
     assert sum(n["rebalancer"]["rebalances"] for n in t["prefill_notes"]) >= 1 and off["prefill_notes"][0]["rebalancer"] == {}
+    md = (tmp_path / "bench-mixtral-tiny.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| tiers_25_int8@skewed_norebal | ") and "(0)" in line)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[1] == ", ".join(f"{x * 1e3:.1f}" for x in off["prefill_s_per_rep"])
+    assert cells[3] == ", ".join(["0 (0)"] * off["prefill_reps"]) and cells[4] == ", ".join(["-"] * off["prefill_reps"])
     skewed = [r["arms"]["all_gpu@skewed"], r["arms"]["all_gpu@skewed/end"]]
     base = min(a["decode_ms_per_token"] for a in skewed)  # the bound of a skewed arm uses the skewed baseline
     assert off["bound_ms_per_token"] >= base
