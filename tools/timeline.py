@@ -12,8 +12,11 @@ prefill. Used by that script and by ``tools/bench.py --prefill-marks``.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -183,19 +186,74 @@ def marking(model, mgr, marks: Marks):
             u()
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _where(f) -> tuple[str, bool]:
+    """A frame as ``path:line`` (relative to this repository, from ``site-packages`` on, or the
+    file's name alone), and whether it is this repository's code."""
+    path = os.path.abspath(f.filename)
+    installed = os.sep + "site-packages" + os.sep
+    if path.startswith(_REPO + os.sep) and installed not in path:
+        return f"{os.path.relpath(path, _REPO)}:{f.lineno}", True
+    return f"{path.split(installed)[-1] if installed in path else os.path.basename(path)}:{f.lineno}", False
+
+
+def _site(frames: list) -> str:
+    """Where a call was made: the innermost frame of this repository's code, followed by the
+    innermost frame of all in brackets where that one lies outside it."""
+    inner, ours = _where(frames[-1])
+    if ours:
+        return inner
+    mine = next((w for w, o in map(_where, reversed(frames)) if o), None)
+    return inner if mine is None else f"{mine} ({inner})"
+
+
+@contextlib.contextmanager
+def host_syncs(on: bool, set_mode=None):
+    """The synchronizing CUDA calls made in the block, as torch's sync debug mode reports them
+    (copies to the host such as ``.tolist()``, ``.item()``, stream and device synchronizes; it
+    does not report every kind), each as ``_site``'s ``path:line``, into the list yielded, filled
+    when the block ends; the mode is set back whatever the block raised. Nothing is recorded when
+    not ``on`` (no CUDA). ``set_mode``: torch's setter, replaced in tests."""
+    found: list[str] = []
+    if not on:
+        yield found
+        return
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    sites: list[str] = []
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):  # the stack without this handler and the warnings module's dispatch
+            frames = traceback.extract_stack()[:-1]
+            while len(frames) > 1 and os.path.abspath(frames[-1].filename) == os.path.abspath(warnings.__file__):
+                frames.pop()
+            sites.append(_site(frames))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        set_mode("warn")
+        try:
+            yield found
+        finally:
+            set_mode("default")
+    found.extend(sites)
+
+
 def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     """One prefill of a Tiers ``model`` with every mark of ``instrument``, then counted
     (``mgr.stats()`` settles its whole-layer calls): ``split``'s per-layer and total figures, the
     prefill's wall time (``prefill_ms``, marks included, to the device's end), the bytes it moved,
     the copy stream's rate over its busy time (``copy_gbps``), and what the rebalancer did from its
-    start to its count (``rebalancer``: the change of each of its counters)."""
+    start to its count (``rebalancer``: the change of each of its counters), and the synchronizing
+    CUDA calls the forward made (``host_syncs``, ``host_syncs``' sites; empty without CUDA)."""
     cuda = ids.device.type == "cuda"
     marks = Marks(cuda)
     before = sum(mgr.stats().bytes_moved.values())
     counts = dict(mgr.rebalancer.counts) if mgr.rebalancer is not None else {}
     with marking(model, mgr, marks):
         t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), host_syncs(cuda) as syncs:
             model(ids)
         if cuda:
             torch.cuda.synchronize()
@@ -203,6 +261,6 @@ def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     out = split(marks.resolved())
     moved = sum(mgr.stats().bytes_moved.values()) - before
     copy_ms = out["total"]["copy_ms"]
-    out.update(prefill_ms=wall * 1e3, moved_bytes=moved, copy_gbps=moved / copy_ms / 1e6 if copy_ms > 0 else None,
+    out.update(prefill_ms=wall * 1e3, moved_bytes=moved, copy_gbps=moved / copy_ms / 1e6 if copy_ms > 0 else None, host_syncs=syncs,
                rebalancer={k: mgr.rebalancer.counts[k] - v for k, v in counts.items()} if counts else {})
     return out

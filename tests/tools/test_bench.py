@@ -155,6 +155,7 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
         marks = arm["prefill_marks"]
         assert len(marks) == 2 and all(x["prefill_ms"] > 0 and x["moved_bytes"] > 0 for x in marks)
         assert all(len(x["layers"]) == 6 and x["total"]["host_ms"] > 0 for x in marks)
+        assert all(x["host_syncs"] == [] for x in marks)  # sync debug mode is CUDA's: none recorded on the CPU
         assert all(set(x["rebalancer"]) == ({"rebalances", "promoted_hot", "promoted_warm", "read_errors"} if rebalancing else set()) for x in marks)
     assert "prefill_marks" not in r["arms"]["all_gpu@skewed"]
     assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()

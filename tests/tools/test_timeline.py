@@ -3,7 +3,11 @@ synthetic marks with known device times."""
 from __future__ import annotations
 
 import math
+import os
 
+import pytest
+
+from tools import timeline
 from tools.timeline import split
 
 
@@ -112,3 +116,40 @@ def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_r
     assert not marks.on and integration._route is route and set(vars(mgr)) == attrs
     assert [(len(layer._forward_pre_hooks), len(layer.mlp.experts._forward_hooks)) for layer in model.model.layers] == hooks
     mgr.close()
+
+
+def test_host_syncs_name_where_each_sync_was_made_and_set_the_mode_back():
+    """A fake setter stands in for torch's (CPU torch has no sync debug mode): the block's sync
+    warnings are recorded with the line of this repository's code that made them, other warnings
+    are not, and the mode goes back to default also when the block raises."""
+    import warnings
+
+    modes = []
+
+    def synced():
+        warnings.warn("called a synchronizing CUDA operation")  # the line recorded
+
+    with timeline.host_syncs(True, set_mode=modes.append) as syncs:
+        synced()
+        warnings.warn("something else")
+        assert modes == ["warn"]
+    line = synced.__code__.co_firstlineno + 1
+    assert syncs == [f"tests/tools/test_timeline.py:{line}"] and modes == ["warn", "default"]
+    with pytest.raises(RuntimeError):
+        with timeline.host_syncs(True, set_mode=modes.append):
+            raise RuntimeError("boom")
+    assert modes[-1] == "default"
+    with timeline.host_syncs(False, set_mode=modes.append) as none, pytest.warns(UserWarning, match="synchronizing"):
+        synced()
+    assert none == [] and len(modes) == 4  # off: the mode is not touched
+
+
+def test_a_site_outside_the_repository_names_the_repositorys_caller():
+    from types import SimpleNamespace as F
+
+    ours = F(filename=os.path.join(timeline._REPO, "tiers", "streamed.py"), lineno=390)
+    torch_frame = F(filename=os.path.join("/somewhere", "site-packages", "torch", "_tensor.py"), lineno=7)
+    stdlib = F(filename="/usr/lib/python3/threading.py", lineno=3)
+    assert timeline._site([stdlib, ours]) == "tiers/streamed.py:390"
+    assert timeline._site([stdlib, ours, torch_frame]) == "tiers/streamed.py:390 (torch/_tensor.py:7)"
+    assert timeline._site([stdlib]) == "threading.py:3"
