@@ -666,6 +666,16 @@ def markdown(r: dict) -> str:
                      ", ".join(f"{n['graphs_captured']} ({n['graphs_eager']})" for n in notes),
                      ", ".join(str(n["rebalancer"].get("promoted_hot", "-")) for n in notes)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    synced = [(name, [m.get("host_syncs") for m in a.get("prefill_marks", ())]) for name, a in r["arms"].items()]
+    synced = [(name, marks) for name, marks in synced if any(marks)]
+    if synced:
+        lines += ["", "Synchronizing calls in each marked prefill's forward (torch's sync debug mode), where the library made them:", ""]
+        for name, marks in synced:
+            for i, sites in enumerate(marks):
+                counts: dict[str, int] = {}
+                for site in sites or ():
+                    counts[site] = counts.get(site, 0) + 1
+                lines.append(f"- {name}, marked prefill {i + 1}: " + ("; ".join(f"{s} x{n}" for s, n in counts.items()) or "none"))
     offload = offload_overheads(r)
     if offload:
         slow = offload["overhead_ms"]

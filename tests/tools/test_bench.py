@@ -335,6 +335,8 @@ def test_offload_overheads_take_each_arms_largest_statistic():
 
 def test_report_rewrites_the_markdown_from_a_bench_json(tmp_path, capsys):
     r = _offload_result()
+    r["arms"]["tiers_25_int8"]["prefill_marks"] = [{"host_syncs": ["tiers/a.py:1", "tiers/b.py:2", "tiers/a.py:1"]}, {"host_syncs": []}]
+    r["arms"]["tiers_50_int8"]["prefill_marks"] = [{"host_syncs": []}]
     r.update(model="mixtral", shape={"layers": 2}, device="cpu", experts=8, expert_bytes_bf16=2**30, decode_tokens=4,
              prefill_tokens=16, routing={"skewed": {}})
     for a in r["arms"].values():
@@ -347,6 +349,8 @@ def test_report_rewrites_the_markdown_from_a_bench_json(tmp_path, capsys):
     md = (tmp_path / "bench-mixtral-run1.md").read_text()
     assert "| tiers_25_int8 | 2.00 | 4.00 | 1.00 | 4.00 | 250.0x | 25.0x |" in md
     assert "| tiers_50_int8 | -0.50 | - | - | -0.50 | - | - |" in md
+    assert "- tiers_25_int8, marked prefill 1: tiers/a.py:1 x2; tiers/b.py:2 x1" in md
+    assert "- tiers_25_int8, marked prefill 2: none" in md and "tiers_50_int8, marked" not in md
     assert json.loads(path.read_text()) == r  # the JSON is left as it was
     capsys.readouterr()
     bad = tmp_path / "bench-bad.json"
