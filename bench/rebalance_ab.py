@@ -50,11 +50,10 @@ def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
             mgr.reset_stats()
             m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
             s = mgr.stats()
-        lookups = sum(s.hits.values())
         expert_int8 = next(iter(mgr.manifest.layers.values())).blobs["int8"].nbytes
         rows.append({
             "gpu_fraction": frac, "rebalance_every_tokens": rebalance_every, "tokens": tokens,
-            "gpu_hit_rate": s.hits["gpu"] / lookups,
+            "gpu_hit_rate": s.gpu_hit_rate,
             "experts_moved_per_token": s.bytes_moved.get("cpu", 0) / expert_int8 / tokens,
             # hot promotions' copies (bf16, about 2 INT8 experts each), in INT8 experts per token
             "promotion_int8_experts_per_token": s.bytes_moved.get("rebalance", 0) / expert_int8 / tokens,

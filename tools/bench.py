@@ -37,6 +37,7 @@ if __name__ == "__main__":  # run as a script: import the repo's packages, not t
     sys.path[:] = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import contextlib  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -66,6 +67,7 @@ from tools.measure import (  # noqa: E402
     SHAPES, TINY, block_means, build, copy_sweep, decode_ms_per_token, expert_modules, interleaved_decode, lazy_experts_forward,
     prefill_seconds, sync, write_result,
 )
+from tools.timeline import marked_prefill, rebalancer_change, rebalancer_counts  # noqa: E402
 
 
 def run(args) -> dict:
@@ -350,8 +352,6 @@ def run(args) -> dict:
         extra["prefill_whole_calls"] = ps.streamed.get("whole", 0) / prefill_reps
         extra["prefill_graphs"] = ps.whole_graphs  # whole-layer calls' plans and windows over the timed prefills
         if args.prefill_marks:  # after the timed prefills: where each marked one's time goes (tools.timeline)
-            from tools.timeline import marked_prefill
-
             extra["prefill_marks"] = [marked_prefill(m, mgr, prefill_ids) for _ in range(args.prefill_marks)]
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, "paired_all_gpu_ms_per_token": paired_decode_ms, **extra}
         mgr.close()
@@ -446,18 +446,19 @@ class PrefillNotes:
         self.model, self.mgr, self.ids = model, mgr, ids
         self.rows: list[dict] = []
 
+    def _counters(self) -> dict[str, int]:
+        g = self.mgr.whole_graphs
+        return {"graphs_eager": g.eager_calls, "graphs_captured": g.captured, "graphs_replayed": g.replayed,
+                "queued_bytes": sum(self.mgr.stats_.bytes_moved.values())}
+
     def __call__(self) -> None:
-        mgr, g = self.mgr, self.mgr.whole_graphs
-        rb = mgr.rebalancer
-        before = (g.eager_calls, g.captured, g.replayed, sum(mgr.stats_.bytes_moved.values()), dict(rb.counts) if rb else {})
+        before, moves = self._counters(), rebalancer_counts(self.mgr)
         t0 = time.perf_counter()
         self.model(self.ids)
         host = time.perf_counter() - t0
-        counts = before[4]
-        self.rows.append({"host_s": host, "graphs_eager": g.eager_calls - before[0], "graphs_captured": g.captured - before[1],
-                          "graphs_replayed": g.replayed - before[2],
-                          "queued_bytes": sum(mgr.stats_.bytes_moved.values()) - before[3],
-                          "rebalancer": {k: rb.counts[k] - v for k, v in counts.items()} if rb else {}})
+        after = self._counters()
+        self.rows.append({"host_s": host, **{k: after[k] - v for k, v in before.items()},
+                          "rebalancer": rebalancer_change(self.mgr, moves)})
 
 
 def paired_timings(arm, pair, device, reps: int) -> tuple[list[float], list[float]]:
@@ -672,11 +673,9 @@ def markdown(r: dict) -> str:
         lines += ["", "Synchronizing calls in each marked prefill's forward (torch's sync debug mode), where the library made them:", ""]
         for name, marks in synced:
             for i, sites in enumerate(marks):
-                counts: dict[str, int] = {}
-                for site in sites or ():
-                    counts[site] = counts.get(site, 0) + 1
+                counts = collections.Counter(sites or ())
                 lines.append(f"- {name}, marked prefill {i + 1}: " + ("; ".join(f"{s} x{n}" for s, n in counts.items()) or "none"))
-    offload = offload_overheads(r)
+    offload = r.get("offload")  # add_bounds' offload_overheads
     if offload:
         slow = offload["overhead_ms"]
         lines += ["", f"Offload overhead per token, ms above all-GPU: accelerate {slow['accelerate']:.1f}, naive lazy "
@@ -803,9 +802,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     stem = f"bench-{args.model}{'-tiny' if args.tiny else ''}"
     write_result(out / f"{stem}.json", result)
-    (out / f"{stem}.md").write_text(markdown(result))
+    md = markdown(result)
+    (out / f"{stem}.md").write_text(md)
     (out / f"bench-{args.model}.partial.json").unlink(missing_ok=True)
-    print(markdown(result))
+    print(md)
     return 0
 
 

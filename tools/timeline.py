@@ -213,15 +213,13 @@ def _site(frames: list) -> str:
 def host_syncs(on: bool, set_mode=None):
     """The synchronizing CUDA calls made in the block, as torch's sync debug mode reports them
     (copies to the host such as ``.tolist()``, ``.item()``, stream and device synchronizes; it
-    does not report every kind), each as ``_site``'s ``path:line``, into the list yielded, filled
-    when the block ends; the mode is set back whatever the block raised. Nothing is recorded when
+    does not report every kind), each as ``_site``'s ``path:line``, into the list yielded; the mode is set back whatever the block raised. Nothing is recorded when
     not ``on`` (no CUDA). ``set_mode``: torch's setter, replaced in tests."""
-    found: list[str] = []
+    sites: list[str] = []
     if not on:
-        yield found
+        yield sites
         return
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
-    sites: list[str] = []
 
     def note(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):  # the stack without this handler and the warnings module's dispatch
@@ -234,10 +232,19 @@ def host_syncs(on: bool, set_mode=None):
         warnings.showwarning = note
         set_mode("warn")
         try:
-            yield found
+            yield sites
         finally:
             set_mode("default")
-    found.extend(sites)
+
+
+def rebalancer_counts(mgr) -> dict[str, int]:
+    """The rebalancer's counters now (empty without a rebalancer), for ``rebalancer_change``."""
+    return dict(mgr.rebalancer.counts) if mgr.rebalancer is not None else {}
+
+
+def rebalancer_change(mgr, before: dict[str, int]) -> dict[str, int]:
+    """What the rebalancer did since ``before`` (``rebalancer_counts``): each counter's change."""
+    return {k: mgr.rebalancer.counts[k] - v for k, v in before.items()}
 
 
 def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
@@ -250,7 +257,7 @@ def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     cuda = ids.device.type == "cuda"
     marks = Marks(cuda)
     before = sum(mgr.stats().bytes_moved.values())
-    counts = dict(mgr.rebalancer.counts) if mgr.rebalancer is not None else {}
+    counts = rebalancer_counts(mgr)
     with marking(model, mgr, marks):
         t0 = time.perf_counter()
         with torch.no_grad(), host_syncs(cuda) as syncs:
@@ -262,5 +269,5 @@ def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     moved = sum(mgr.stats().bytes_moved.values()) - before
     copy_ms = out["total"]["copy_ms"]
     out.update(prefill_ms=wall * 1e3, moved_bytes=moved, copy_gbps=moved / copy_ms / 1e6 if copy_ms > 0 else None, host_syncs=syncs,
-               rebalancer={k: mgr.rebalancer.counts[k] - v for k, v in counts.items()} if counts else {})
+               rebalancer=rebalancer_change(mgr, counts))
     return out
