@@ -80,8 +80,10 @@ class Streams:
             stream = self._seen[sid] = self.module.current_stream(self.device)
         return stream
 
-    def event(self, timing: bool = False) -> Any:
-        return self.module.Event(enable_timing=timing) if self.cuda else self.module.Event()
+    def event(self, timing: bool = False, blocking: bool = False) -> Any:
+        """A new event; ``blocking``: a thread that waits for it sleeps until it fires (CUDA's
+        blocking sync) rather than spinning a core, for waits off the serving thread."""
+        return self.module.Event(enable_timing=timing, blocking=blocking) if self.cuda else self.module.Event()
 
     def use(self, stream: Any):
         if self.cuda and torch.cuda.current_device() == self.index:

@@ -422,7 +422,10 @@ class Rebalancer:
         compute = mgr.streams.event()
         compute.record(mgr.streams.current())
         mgr.copy_stream.wait_event(compute)
-        fence = mgr.streams.event()
+        # Waited for on a rebalance thread, behind a prefill's reads at times: a blocking event,
+        # so that thread sleeps. On the H200 a default event's wait spun 84-87% of a core for as
+        # long as it waited, a blocking one's 1% (bench/results/spin_probe.json).
+        fence = mgr.streams.event(blocking=True)
         fence.record(mgr.copy_stream)
         return fence
 

@@ -452,7 +452,9 @@ def test_hot_swap_forks_the_compute_stream_before_the_copy(packed_factory):
 def test_a_host_place_is_refilled_only_after_every_queued_read_of_it(packed_factory, monkeypatch):
     """Direct decode kernels read warm places on the compute stream, copies and direct stacks on
     the copy stream: the fence a rebalance read waits on before refilling a place is recorded on
-    the copy stream after it waited on an event recorded on the compute stream."""
+    the copy stream after it waited on an event recorded on the compute stream. The fence is a
+    blocking event: the rebalance thread sleeps while it waits, behind a prefill's reads at times,
+    instead of spinning a core the serving thread may need."""
     from test_slots import Recorder, RecordingStreams
 
     rec = Recorder()
@@ -471,6 +473,7 @@ def test_a_host_place_is_refilled_only_after_every_queued_read_of_it(packed_fact
     assert fences, "the swap must refill a place (the demoted expert's cpu blob)"
     order = rec.order[start:]
     for fence in fences:
+        assert fence.blocking, "a rebalance thread's fence must not spin"
         at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is fence)
         assert order[at][1] is mgr.copy_stream
         compute = [o[2] for o in order[:at] if o[0] == "record" and o[1] is streams.compute]

@@ -47,8 +47,8 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, rec: Recorder):
-        self.rec = rec
+    def __init__(self, rec: Recorder, blocking: bool = False):
+        self.rec, self.blocking = rec, blocking
         rec.n_events += 1
         self.id = rec.n_events
         self.recorded = False
@@ -86,8 +86,8 @@ class RecordingStreams(Streams):
     def current(self):
         return self.compute
 
-    def event(self, timing: bool = False):
-        return FakeEvent(self.rec)
+    def event(self, timing: bool = False, blocking: bool = False):
+        return FakeEvent(self.rec, blocking)
 
     def use(self, stream):
         self.rec.order.append(("use", stream, None))
