@@ -438,7 +438,10 @@ class PrefillNotes:
     or a count that waits: the host's time until the forward returned (``host_s``; the timing
     around it adds the device's tail), the whole-layer graphs warmed up, captured and replayed
     meanwhile, the bytes queued for reading, and what the rebalancer did (the change of each of
-    its counters). Why: one arm's timed prefills split into a fast and a slow group ten ms apart
+    its counters); and the CPU time the serving thread spent until the forward returned
+    (``host_cpu_s``: near ``host_s`` when its host work ran, below it when it waited: for the
+    GIL, a sync) and the process's other threads meanwhile (``others_cpu_s``: readers,
+    rebalance threads, torch's intra-op threads, a wait that spins a core). Why: one arm's timed prefills split into a fast and a slow group ten ms apart
     for the same bytes (bench-qwen3_moe-run46.json), and the marked prefills after them, which
     were fast, could not tell why."""
 
@@ -453,12 +456,14 @@ class PrefillNotes:
 
     def __call__(self) -> None:
         before, moves = self._counters(), rebalancer_counts(self.mgr)
+        c0, p0 = time.thread_time(), time.process_time()
         t0 = time.perf_counter()
         self.model(self.ids)
         host = time.perf_counter() - t0
+        c1, p1 = time.thread_time(), time.process_time()
         after = self._counters()
-        self.rows.append({"host_s": host, **{k: after[k] - v for k, v in before.items()},
-                          "rebalancer": rebalancer_change(self.mgr, moves)})
+        self.rows.append({"host_s": host, "host_cpu_s": c1 - c0, "others_cpu_s": max(0.0, (p1 - p0) - (c1 - c0)),
+                          **{k: after[k] - v for k, v in before.items()}, "rebalancer": rebalancer_change(self.mgr, moves)})
 
 
 def paired_timings(arm, pair, device, reps: int) -> tuple[list[float], list[float]]:
@@ -657,13 +662,19 @@ def markdown(r: dict) -> str:
                          f"| {il['block_overhead_ms_per_token']:.2f} ({over(il.get('block_overhead_over_bytes_bound'))}) |")
     noted = [(name, a) for name, a in r["arms"].items() if a.get("prefill_notes")]
     if noted:
-        lines += ["", "Each timed prefill of a Tiers arm, in order: its time, the host's time until the forward returned, "
-                  "the whole-layer graphs it captured (and warmed up), the hot promotions that landed in it:", "",
-                  "| arm | prefill ms | host ms | graphs captured (warmed) | hot promotions |", "|---|---|---|---|---|"]
+        lines += ["", "Each timed prefill of a Tiers arm, in order: its time, its paired all-GPU prefill's (the host's speed "
+                  "then), the host's time until the forward returned, the serving thread's CPU time meanwhile and the "
+                  "other threads' (where recorded), the whole-layer graphs it captured (and warmed up), the hot promotions "
+                  "that landed in it:", "",
+                  "| arm | prefill ms | paired all-GPU ms | host ms | serving CPU ms | others' CPU ms | graphs captured (warmed) "
+                  "| hot promotions |", "|---|---|---|---|---|---|---|---|"]
         for name, a in noted:
             notes = a["prefill_notes"]
+            cpu = ("host_cpu_s", "others_cpu_s")
             cells = [", ".join(f"{t * 1e3:.1f}" for t in a["prefill_s_per_rep"]),
+                     ", ".join(f"{t * 1e3:.1f}" for t in a.get("paired_prefill_s_per_rep", ())) or "-",
                      ", ".join(f"{n['host_s'] * 1e3:.1f}" for n in notes),
+                     *(", ".join(f"{n[k] * 1e3:.1f}" if k in n else "-" for n in notes) for k in cpu),
                      ", ".join(f"{n['graphs_captured']} ({n['graphs_eager']})" for n in notes),
                      ", ".join(str(n["rebalancer"].get("promoted_hot", "-")) for n in notes)]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -221,8 +221,10 @@ def host_syncs(on: bool, set_mode=None):
         return
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
 
+    recording = [True]  # the block's syncs only: setting the mode back may warn too (seen on CUDA)
+
     def note(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):  # the stack without this handler and the warnings module's dispatch
+        if recording[0] and "synchroniz" in str(message):  # the stack without this handler and the warnings module's dispatch
             frames = traceback.extract_stack()[:-1]
             while len(frames) > 1 and os.path.abspath(frames[-1].filename) == os.path.abspath(warnings.__file__):
                 frames.pop()
@@ -234,6 +236,7 @@ def host_syncs(on: bool, set_mode=None):
         try:
             yield sites
         finally:
+            recording[0] = False
             set_mode("default")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 
 import pytest
 import torch
@@ -130,6 +131,7 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
         notes = arm["prefill_notes"]
         assert len(notes) == arm["prefill_reps"] == len(arm["prefill_s_per_rep"])
         assert all(0 < n["host_s"] for n in notes)
+        assert all(0 < n["host_cpu_s"] <= n["host_s"] + 0.01 and n["others_cpu_s"] >= 0 for n in notes)
         assert all(n["graphs_captured"] == n["graphs_eager"] == n["graphs_replayed"] == 0 for n in notes)  # no graphs on the CPU
     assert sum(n["queued_bytes"] for n in off["prefill_notes"]) == pytest.approx(off["prefill_bytes_moved"] * off["prefill_reps"])
     assert sum(n["queued_bytes"] for n in off["prefill_notes"]) > 0
@@ -138,7 +140,9 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     row = next(line for line in md.splitlines() if line.startswith("| tiers_25_int8@skewed_norebal | ") and "(0)" in line)
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[1] == ", ".join(f"{x * 1e3:.1f}" for x in off["prefill_s_per_rep"])
-    assert cells[3] == ", ".join(["0 (0)"] * off["prefill_reps"]) and cells[4] == ", ".join(["-"] * off["prefill_reps"])
+    assert cells[2] == ", ".join(f"{x * 1e3:.1f}" for x in off["paired_prefill_s_per_rep"])
+    assert cells[4] == ", ".join(f"{n['host_cpu_s'] * 1e3:.1f}" for n in off["prefill_notes"])
+    assert cells[6] == ", ".join(["0 (0)"] * off["prefill_reps"]) and cells[7] == ", ".join(["-"] * off["prefill_reps"])
     skewed = [r["arms"]["all_gpu@skewed"], r["arms"]["all_gpu@skewed/end"]]
     base = min(a["decode_ms_per_token"] for a in skewed)  # the bound of a skewed arm uses the skewed baseline
     assert off["bound_ms_per_token"] >= base
@@ -389,3 +393,32 @@ def test_prefill_notes_count_what_each_call_did():
     mgr.rebalancer = None
     notes()
     assert notes.rows[-1]["rebalancer"] == {}
+
+
+def test_prefill_notes_tell_waiting_from_working_and_see_other_threads_work():
+    """A forward that sleeps shows host time without the serving thread's CPU time; one whose
+    other thread spins shows that thread's CPU time, not the serving thread's."""
+    import threading
+    from types import SimpleNamespace
+
+    graphs = SimpleNamespace(eager_calls=0, captured=0, replayed=0)
+    mgr = SimpleNamespace(whole_graphs=graphs, rebalancer=None, stats_=SimpleNamespace(bytes_moved={}))
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    def model(ids):
+        if ids == "sleep":
+            time.sleep(0.2)
+        else:
+            t = threading.Thread(target=spin, args=(0.2,))
+            t.start()
+            t.join()
+    slept, spun = bench.PrefillNotes(model, mgr, "sleep"), bench.PrefillNotes(model, mgr, "spin")
+    slept()
+    spun()
+    (a,), (b,) = slept.rows, spun.rows
+    assert a["host_s"] >= 0.2 and a["host_cpu_s"] < 0.05 and a["others_cpu_s"] < 0.05
+    assert b["host_s"] >= 0.2 and b["host_cpu_s"] < 0.05 and b["others_cpu_s"] >= 0.15

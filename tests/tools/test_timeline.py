@@ -139,6 +139,15 @@ def test_host_syncs_name_where_each_sync_was_made_and_set_the_mode_back():
         with timeline.host_syncs(True, set_mode=modes.append):
             raise RuntimeError("boom")
     assert modes[-1] == "default"
+
+    def warning_setter(mode):  # torch's setter warned as the mode went back, on CUDA: not the block's sync
+        modes.append(mode)
+        if mode == "default":
+            warnings.warn("called a synchronizing CUDA operation")
+    with timeline.host_syncs(True, set_mode=warning_setter) as syncs:
+        pass
+    assert syncs == [] and modes[-2:] == ["warn", "default"]
+    del modes[-2:]
     with timeline.host_syncs(False, set_mode=modes.append) as none, pytest.warns(UserWarning, match="synchronizing"):
         synced()
     assert none == [] and len(modes) == 4  # off: the mode is not touched
