@@ -221,15 +221,17 @@ def run(args) -> dict:
         """The arm and its paired all-GPU model decoding step by step in turn
         (``tools.measure.interleaved_decode``), and the bytes the arm moved over the timed steps."""
         n = args.interleave
+        usage: list[list[dict]] = [[], []]
         with routed(paired, name):
-            arm_s, pair_s = interleaved_decode([m, paired], prompt, n, device, on_start=mgr.reset_stats)
+            arm_s, pair_s = interleaved_decode([m, paired], prompt, n, device, on_start=mgr.reset_stats, usage=usage)
         moved = {k: v / n for k, v in mgr.stats().bytes_moved.items()}
         diffs = [(a - b) * 1e3 for a, b in zip(arm_s, pair_s)]
         block = args.rebalance_every if name.endswith("@skewed") and args.rebalance_every > 0 else INTERLEAVE_BLOCK
         return {"tokens": n, "block": block, "arm_ms_per_token": statistics.fmean(arm_s) * 1e3,
                 "pair_ms_per_token": statistics.fmean(pair_s) * 1e3, "overhead_ms_per_token": statistics.fmean(diffs),
                 "block_overhead_ms_per_token": statistics.median(block_means(diffs, block)), "bytes_moved_per_token": moved,
-                "arm_step_ms": [round(t * 1e3, 3) for t in arm_s], "pair_step_ms": [round(t * 1e3, 3) for t in pair_s]}
+                "arm_step_ms": [round(t * 1e3, 3) for t in arm_s], "pair_step_ms": [round(t * 1e3, 3) for t in pair_s],
+                "arm_usage": step_usage(usage[0]), "pair_usage": step_usage(usage[1])}
 
     def tiers_measure(m, load_s, resident, name):
         mgr = manager_of(m)
@@ -510,6 +512,26 @@ def rep_overhead_ms(row: dict) -> float | None:
 INTERLEAVE_BLOCK = 8
 
 
+def step_usage(steps: list[dict]) -> dict[str, list]:
+    """``interleaved_decode``'s per-step usage as one list per field (ms to 0.01)."""
+    keys = steps[0].keys() if steps else ()
+    return {k: [round(u[k], 2) if isinstance(u[k], float) else u[k] for u in steps] for k in keys}
+
+
+def phase_usage(usage: dict[str, list], block: int) -> dict[str, dict[str, float]] | None:
+    """The fastest and the slowest block of ``block`` steps by the median host time (``step_usage``
+    lists): the medians of each field in each, and the faults and preemptions per step over all.
+    Why: the serving thread's CPU time growing with its wall time from one block to another says
+    the host computed slower (a slow phase of the machine); wall time growing alone, that it
+    waited (the GIL, another process); system time or faults growing, that the kernel worked."""
+    n = len(usage.get("host_ms", ()))
+    if n < block:
+        return None
+    blocks = [{k: statistics.median(v[i:i + block]) for k, v in usage.items()} for i in range(0, n - block + 1, block)]
+    fast, slow = min(blocks, key=lambda b: b["host_ms"]), max(blocks, key=lambda b: b["host_ms"])
+    return {"fastest": fast, "slowest": slow, "per_step": {k: sum(usage[k]) / n for k in ("faults", "preempted")}}
+
+
 def interleaved_bounds(row: dict) -> None:
     """The interleaved decode's bytes bound (its own steps' bytes / 55 GB/s) and each overhead over it."""
     il = row.get("interleaved")
@@ -660,6 +682,19 @@ def markdown(r: dict) -> str:
                          f"| {sum(il['bytes_moved_per_token'].values()) / mib:.1f} | {il.get('bound_ms', 0):.2f} "
                          f"| {il['overhead_ms_per_token']:.2f} ({over(il.get('overhead_over_bytes_bound'))}) "
                          f"| {il['block_overhead_ms_per_token']:.2f} ({over(il.get('block_overhead_over_bytes_bound'))}) |")
+        phases = [(name, phase_usage(il["pair_usage"], il["block"])) for name, il in stepped if il.get("pair_usage")]
+        phases = [(name, p) for name, p in phases if p]
+        if phases:
+            lines += ["", "The host's speed over those steps, read off the paired all-GPU model's: in its fastest and its slowest "
+                      "block of steps (by the median time its forward took to return), the medians of that time and of the "
+                      "serving thread's CPU time meanwhile (system time apart), and its page faults and involuntary context "
+                      "switches per step over all steps:", "",
+                      "| arm | fastest block: host ms, CPU ms | slowest block: host ms, CPU ms, system ms | faults per step "
+                      "| preempted per step |", "|---|---|---|---|---|"]
+            for name, p in phases:
+                f, w = p["fastest"], p["slowest"]
+                lines.append(f"| {name} | {f['host_ms']:.2f}, {f['cpu_ms']:.2f} | {w['host_ms']:.2f}, {w['cpu_ms']:.2f}, "
+                             f"{w['sys_ms']:.2f} | {p['per_step']['faults']:.2f} | {p['per_step']['preempted']:.2f} |")
     noted = [(name, a) for name, a in r["arms"].items() if a.get("prefill_notes")]
     if noted:
         lines += ["", "Each timed prefill of a Tiers arm, in order: its time, its paired all-GPU prefill's (the host's speed "

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import inspect
 import json
+import resource
 import shutil
 import statistics
 import tempfile
@@ -142,7 +143,16 @@ def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
     return (full - one) / tokens * 1e3
 
 
-def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_start=None) -> list[list[float]]:
+def thread_usage() -> tuple[float, float, int, int]:
+    """The calling thread's CPU seconds (user + system), system seconds, minor page faults and
+    involuntary context switches so far (Linux's per-thread rusage; the process's elsewhere)."""
+    who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+    u = resource.getrusage(who)
+    return u.ru_utime + u.ru_stime, u.ru_stime, u.ru_minflt, u.ru_nivcsw
+
+
+def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_start=None,
+                       usage: list[list[dict]] | None = None) -> list[list[float]]:
     """Seconds of each greedy decode step (batch 1, from ``prompt``) of each of ``models``, the
     models taking turns step by step, each step timed alone between device syncs; the order
     within a step alternates (first to last, then last to first), so neither model always
@@ -152,7 +162,12 @@ def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_
 
     Why: the host's speed drifts in phases of seconds (1.5-2x), and a generate of a few dozen
     tokens per model, one after the other, can fall in different phases; step i of two models
-    taking turns is a few tens of ms apart, so such a phase moves both alike."""
+    taking turns is a few tens of ms apart, so such a phase moves both alike.
+
+    ``usage``: one list per model, to which each timed step appends what the serving thread did
+    until the model's forward returned (before the sync): ``host_ms`` of wall time, ``cpu_ms`` and
+    ``sys_ms`` of its CPU time (``thread_usage``), its minor ``faults`` and involuntary switches
+    (``preempted``); a slow phase of the host shows as CPU time that grows with the wall time."""
     times: list[list[float]] = [[] for _ in models]
     # the KV cache's keyword and output field: ``cache`` in newer transformers, ``past_key_values`` before
     names = ["cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values" for m in models]
@@ -172,12 +187,18 @@ def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_
             for i in order:
                 tok, cache = state[i]
                 sync(device)
+                u0 = thread_usage() if usage is not None else None
                 t0 = time.perf_counter()
                 out = models[i](input_ids=tok, use_cache=True, **{names[i]: cache})
+                host = time.perf_counter() - t0
+                u1 = thread_usage() if usage is not None else None
                 state[i] = [out.logits[:, -1:].argmax(-1), out[names[i]]]
                 sync(device)
                 if step >= skip:
                     times[i].append(time.perf_counter() - t0)
+                    if usage is not None:
+                        usage[i].append({"host_ms": host * 1e3, "cpu_ms": (u1[0] - u0[0]) * 1e3, "sys_ms": (u1[1] - u0[1]) * 1e3,
+                                         "faults": u1[2] - u0[2], "preempted": u1[3] - u0[3]})
     return times
 
 

@@ -60,6 +60,14 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert r["arms"]["tiers_100_bf16"]["interleaved"]["overhead_over_bytes_bound"] is None  # nothing moved: no ratio
     md = (tmp_path / "bench-mixtral-tiny.md").read_text()
     assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md and "Decode interleaved step by step" in md
+    # each timed step's host work, the arm's and the pair's; the pair's fastest and slowest block in the Markdown
+    for u in (il["arm_usage"], il["pair_usage"]):
+        assert set(u) == {"host_ms", "cpu_ms", "sys_ms", "faults", "preempted"} and all(len(v) == 16 for v in u.values())
+        assert all(0 < h <= s for h, s in zip(u["host_ms"], il["pair_step_ms"] if u is il["pair_usage"] else il["arm_step_ms"]))
+    phases = bench.phase_usage(il["pair_usage"], il["block"])
+    row = next(line for line in md.splitlines() if line.startswith("| tiers_25_int8 | ") and "| preempted" not in line
+               and line.count("|") == 6 and ", " in line)
+    assert row.split("|")[2].strip() == f"{phases['fastest']['host_ms']:.2f}, {phases['fastest']['cpu_ms']:.2f}"
     assert t["config"]["tiers"]["gpu"]["decode_graphs"] is True and "decode_graphs" in t  # the YAML default, and the arm's counts
     assert t["prefill_graphs"]["on"] == 0 and set(t["prefill_graphs"]) >= {"captured", "replayed", "failed"}  # off without CUDA
 
@@ -393,6 +401,18 @@ def test_prefill_notes_count_what_each_call_did():
     mgr.rebalancer = None
     notes()
     assert notes.rows[-1]["rebalancer"] == {}
+
+
+def test_phase_usage_picks_the_fastest_and_slowest_block_by_host_time():
+    fast = {"host_ms": [10.0, 11.0], "cpu_ms": [9.0, 10.0], "sys_ms": [0.1, 0.1], "faults": [0, 0], "preempted": [0, 1]}
+    slow = {"host_ms": [30.0, 31.0], "cpu_ms": [29.0, 30.0], "sys_ms": [0.2, 0.4], "faults": [4, 0], "preempted": [0, 0]}
+    mid = {"host_ms": [20.0, 20.0], "cpu_ms": [5.0, 5.0], "sys_ms": [0.1, 0.1], "faults": [0, 0], "preempted": [0, 0]}
+    usage = {k: mid[k] + slow[k] + fast[k] + [99] for k in fast}  # a partial last block is left out of the blocks
+    p = bench.phase_usage(usage, 2)
+    assert p["fastest"] == {"host_ms": 10.5, "cpu_ms": 9.5, "sys_ms": 0.1, "faults": 0, "preempted": 0.5}
+    assert p["slowest"]["host_ms"] == 30.5 and p["slowest"]["cpu_ms"] == 29.5 and p["slowest"]["sys_ms"] == pytest.approx(0.3)
+    assert p["per_step"] == {"faults": pytest.approx(103 / 7), "preempted": pytest.approx(100 / 7)}
+    assert bench.phase_usage({"host_ms": [1.0]}, 2) is None and bench.phase_usage({}, 2) is None
 
 
 def test_prefill_notes_tell_waiting_from_working_and_see_other_threads_work():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,34 @@ def test_interleaved_decode_takes_turns_and_decodes_as_generate():
         gen = m.generate(prompt, max_new_tokens=skip + steps, min_new_tokens=skip + steps, do_sample=False, pad_token_id=0)
         assert [ids[0] for ids in fed[1:]] == gen[0, prompt.shape[1]:].tolist(), who
     assert block_means([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.5, 3.5] and block_means([1.0], 2) == []
+    usage: list[list[dict]] = [[], []]
+    times = interleaved_decode([a, b], prompt, steps, torch.device("cpu"), skip=skip, usage=usage)
+    for t, u in zip(times, usage):  # each timed step's host work, up to the forward's return
+        assert len(u) == steps and all(set(x) == {"host_ms", "cpu_ms", "sys_ms", "faults", "preempted"} for x in u)
+        assert all(0 < x["host_ms"] <= s * 1e3 and 0 <= x["sys_ms"] <= x["cpu_ms"] for x, s in zip(u, t))
+
+
+def test_thread_usage_counts_this_threads_work_not_its_waits():
+    import threading
+
+    from tools.measure import thread_usage
+
+    c0 = thread_usage()[0]
+    time.sleep(0.15)
+    slept = thread_usage()[0] - c0
+    end = time.perf_counter() + 0.15
+    c0 = thread_usage()[0]
+    while time.perf_counter() < end:
+        pass
+    spun = thread_usage()[0] - c0
+
+    def spin():
+        stop = time.perf_counter() + 0.15
+        while time.perf_counter() < stop:
+            pass
+    c0 = thread_usage()[0]
+    t = threading.Thread(target=spin)
+    t.start()
+    t.join()
+    other = thread_usage()[0] - c0
+    assert slept < 0.05 and spun >= 0.1 and other < 0.05
