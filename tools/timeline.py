@@ -221,7 +221,7 @@ def host_syncs(on: bool, set_mode=None):
         return
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
 
-    recording = [True]  # the block's syncs only: setting the mode back may warn too (seen on CUDA)
+    recording = [False]  # the block's syncs only: torch's setter itself warned on CUDA (run 50, as it set "warn")
 
     def note(message, category, filename, lineno, file=None, line=None):
         if recording[0] and "synchroniz" in str(message):  # the stack without this handler and the warnings module's dispatch
@@ -233,6 +233,7 @@ def host_syncs(on: bool, set_mode=None):
         warnings.simplefilter("always")
         warnings.showwarning = note
         set_mode("warn")
+        recording[0] = True
         try:
             yield sites
         finally:
