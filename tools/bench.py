@@ -443,9 +443,10 @@ class PrefillNotes:
     its counters); and the CPU time the serving thread spent until the forward returned
     (``host_cpu_s``: near ``host_s`` when its host work ran, below it when it waited: for the
     GIL, a sync) and the process's other threads meanwhile (``others_cpu_s``: readers,
-    rebalance threads, torch's intra-op threads, a wait that spins a core). Why: one arm's timed prefills split into a fast and a slow group ten ms apart
-    for the same bytes (bench-qwen3_moe-run46.json), and the marked prefills after them, which
-    were fast, could not tell why."""
+    rebalance threads, torch's intra-op threads, a wait that spins a core). Why: one arm's timed
+    prefills split into a fast and a slow group ten ms apart for the same bytes
+    (bench-qwen3_moe-run46.json), and the marked prefills after them, which were fast, could not
+    tell why."""
 
     def __init__(self, model, mgr, ids: torch.Tensor):
         self.model, self.mgr, self.ids = model, mgr, ids

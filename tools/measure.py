@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import inspect
 import json
-import resource
 import shutil
 import statistics
 import tempfile
@@ -146,6 +145,8 @@ def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
 def thread_usage() -> tuple[float, float, int, int]:
     """The calling thread's CPU seconds (user + system), system seconds, minor page faults and
     involuntary context switches so far (Linux's per-thread rusage; the process's elsewhere)."""
+    import resource  # POSIX only: imported where it is used, so the module imports elsewhere
+
     who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
     u = resource.getrusage(who)
     return u.ru_utime + u.ru_stime, u.ru_stime, u.ru_minflt, u.ru_nivcsw
