@@ -44,6 +44,7 @@ from tiers.graphs import DecodeGraphs
 from tiers.streamed import StreamedCalls
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
+from tiers.h2d import copy_batch
 from tiers.cache import LruSlots, make_cache
 from tiers.policy import Placement
 from tiers.prefetch import Prefetcher
@@ -659,6 +660,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._mark_start(b)
             for r in range(row0, row0 + k):
                 self._after_row(b, pid, r)
+            dsts, runs = [], []
             i = 0
             while i < k:
                 j = i + 1
@@ -667,10 +669,38 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 nbytes = (j - i - 1) * width + srcs[j - 1].numel()
                 src = srcs[i] if j == i + 1 else self._warm_view(srcs[i].data_ptr() - self.host.slab.data_ptr(), nbytes)
                 self._check_pinned(src)
-                self._transit_row(pid, row0 + i, nbytes, rows=j - i).copy_(src, non_blocking=True)
+                dsts.append(self._transit_row(pid, row0 + i, nbytes, rows=j - i))
+                runs.append(src)
                 i = j
+            if self.BATCHED_COPIES:
+                copy_batch(dsts, runs, self.copy_stream)  # one driver call for the part's runs
+            else:  # a copy per run (A/B runs)
+                for dst, src in zip(dsts, runs):
+                    dst.copy_(src, non_blocking=True)
         self._count_read("cpu", sum(src.numel() for src in srcs), t0)
         self._dequantize(b, _Stack(pool, blob, blob.precision, row0, list(slots)))
+
+    def _stage_copy_batch(self, b: _Batch, pool: SlotPool, blob: Any, slots: list[int], srcs: list[torch.Tensor]) -> None:
+        """Lossless copies of one blob layout (``srcs``, warm places) straight into ``slots``, every
+        tensor of every expert, as one batch (``tiers.h2d``). For a streamed part, whose slots'
+        last reads the copy stream already waits on; the batch's end event is their ready event,
+        as for ``_stage_copy``'s."""
+        t0 = self.clock()
+        dsts, views = [], []
+        for slot, src in zip(slots, srcs):
+            self._check_pinned(src)
+            out = pool.tensors(slot)
+            for name, q in self._views(blob, src).items():  # lossless: one field per tensor, the slot's dtype and shape
+                dsts.append(out[name])
+                views.append(q.data["data"])
+        with self.streams.use(self.copy_stream):
+            self._mark_start(b)
+            copy_batch(dsts, views, self.copy_stream)
+        b.copied.setdefault(id(pool), (pool, []))[1].extend(slots)
+        if self.decoding:
+            for src in srcs:
+                self.note_decode_read(pool, src.numel())
+        self._count_read("cpu", sum(src.numel() for src in srcs), t0)
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the

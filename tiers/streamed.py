@@ -96,6 +96,10 @@ class StreamedCalls:
     # A whole-layer call uploads its plan on the copy stream, ahead of its reads (False: on the
     # compute stream, where it waits for the reads under way; kept for A/B runs).
     WHOLE_PLAN_ON_COPY = True
+    # A streamed part's copies go up as one batch (``tiers.h2d``): lossless misses straight into
+    # their slots, lossy runs into transit rows (False: a copy per expert and tensor, or per
+    # run, each with its own host work; kept for A/B runs).
+    BATCHED_COPIES = True
 
     def whole_out(self, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The buffer a whole-layer call's windows write their rows into: one per shape, kept for
@@ -255,8 +259,11 @@ class StreamedCalls:
                     s.whole.read.append(e)
             slots = [slot for _, slot in reads]
             blob = self.manifest.blob(fetched[0][0], fetched[0][1])
-            if all(source == "cpu" for _, _, source, _ in fetched) and self._runs_copy(pool, blob):
+            warm = all(source == "cpu" for _, _, source, _ in fetched)
+            if warm and self._runs_copy(pool, blob):
                 self._stage_copy_run(self._batch, pool, blob, slots, [src for *_, src in fetched])
+            elif warm and self._batches_copy(pool, blob):
+                self._stage_copy_batch(self._batch, pool, blob, slots, [src for *_, src in fetched])
             else:
                 for (key, precision, source, src), slot in zip(fetched, slots):
                     self._queue_read(self._batch, key, pool, slot, precision, source, src, direct=self.stream_direct)
@@ -268,6 +275,13 @@ class StreamedCalls:
             return False
         scheme = quant.get_scheme(blob.precision)
         return not scheme.lossless and scheme.stacks and self.stack_limit[id(pool)] > 1
+
+    def _batches_copy(self, pool: Any, blob: Any) -> bool:
+        """A part's misses land in their slots as one batch of copies (``_stage_copy_batch``):
+        lossless, each field already the slab's dtype and shape, and not read by direct stacks."""
+        if not self.BATCHED_COPIES or self._reads_direct(pool, blob, self.stream_direct) or not quant.get_scheme(blob.precision).lossless:
+            return False
+        return all(f.spec.dtype == pool.dtype and f.spec.shape == tuple(pool.slabs[f.tensor].shape[1:]) for f in blob.fields)
 
     def wait_part(self, s: Stream, p: int) -> None:
         """Order the compute stream after part ``p``'s reads; call before its first kernel."""

@@ -129,8 +129,14 @@ def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels
     assert mgr.prefetch(layer, warm[-ahead:] if ahead else [], None) == ahead
     pool = mgr.pool_of[layer]
     pre_ready = {mgr.table[ExpertKey(layer, e)].slot: pool.ready[mgr.table[ExpertKey(layer, e)].slot] for e in warm[-ahead:]} if ahead else {}
-    reads = mgr._queue_read
+    reads, batched = mgr._queue_read, mgr._stage_copy_batch
     mgr._queue_read = lambda b, key, pool, slot, *a, **kw: rec.order.append(("read", slot, key)) or reads(b, key, pool, slot, *a, **kw)
+    key_at = {mgr.table[ExpertKey(layer, e)].host_offset: ExpertKey(layer, e) for e in warm}  # warm place -> expert
+
+    def record_batched(b, pool, blob, slots, srcs):  # bf16 parts: one batch of copies, each slot read once
+        rec.order.extend(("read", slot, key_at[src.data_ptr() - mgr.host.slab.data_ptr()]) for slot, src in zip(slots, srcs))
+        return batched(b, pool, blob, slots, srcs)
+    mgr._stage_copy_batch = record_batched
     s = mgr.begin_stream(layer, list(range(8)))
     assert s is not None and len(s.parts) >= 3, "the test needs three parts or more"
     assert len(s.buffers) == 2 and not set(s.buffers[0]) & set(s.buffers[1])
