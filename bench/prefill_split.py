@@ -20,7 +20,8 @@ also report the hot experts per layer and their slot runs, ``layout``); the unti
 its own routers, so a skewed config's bound takes the uniform all-GPU prefill (below the bytes
 bound at these budgets); and ``graphs`` (``auto``, the default: as ``tiers.gpu.prefill_graphs`` says, on with CUDA;
 ``on`` or ``off``: whole-layer calls replay their plan and windows as graphs, ``whole_graphs``,
-or not);
+or not) and ``copies`` (``batch``, the default: a streamed part's copies go up as one batch,
+``BATCHED_COPIES``; ``each``: one copy per bf16 expert and tensor, or per run of INT8 blobs);
 every config's model is loaded up front and
 each repetition runs them in turn, after the untiered model, so a host whose speed drifts within
 the run weighs on all alike. Per repetition and config, one prefill is timed plain (``prefill_s``,
@@ -128,26 +129,27 @@ ROUTES = ("uniform", "skewed", "rebal", "rebal-frozen")
 
 
 def parse_spec(spec: str) -> dict:
-    """``precision:staging:depth:fraction[:whole[:buffers[:plan[:dequant[:route[:graphs]]]]]]`` -> its
+    """``precision:staging:depth:fraction[:whole[:buffers[:plan[:dequant[:route[:graphs[:copies]]]]]]]`` -> its
     fields, the optional ones defaulted; a field outside its choices is refused, naming the spec."""
     fields = spec.split(":")
-    if not 4 <= len(fields) <= 10:
-        raise SystemExit(f"{spec}: expected 4 to 10 ':'-separated fields, got {len(fields)}")
+    if not 4 <= len(fields) <= 11:
+        raise SystemExit(f"{spec}: expected 4 to 11 ':'-separated fields, got {len(fields)}")
     precision, staging, depth, fraction, *rest = fields
-    defaults = ["auto", "", "copy", "kernel", "uniform", "auto"]
-    whole, buffers, plan, dequant, route, graphs = (rest + defaults[len(rest):])[:6]
+    defaults = ["auto", "", "copy", "kernel", "uniform", "auto", "batch"]
+    whole, buffers, plan, dequant, route, graphs, copies = (rest + defaults[len(rest):])[:7]
     for name, value, allowed in (("whole", whole, ("auto", "on", "off")), ("plan", plan, ("copy", "compute")),
                                  ("dequant", dequant, ("kernel", "torch")), ("route", route, ROUTES),
-                                 ("graphs", graphs, ("auto", "on", "off"))):
+                                 ("graphs", graphs, ("auto", "on", "off")), ("copies", copies, ("batch", "each"))):
         if value not in allowed:
             raise SystemExit(f"{spec}: the {name} field is one of {', '.join(allowed)}, not {value!r}")
     return {"precision": precision, "staging": staging, "depth": depth, "fraction": float(fraction), "whole": whole,
-            "buffers": int(buffers) if buffers else None, "plan": plan, "dequant": dequant, "route": route, "graphs": graphs}
+            "buffers": int(buffers) if buffers else None, "plan": plan, "dequant": dequant, "route": route, "graphs": graphs,
+            "copies": copies}
 
 
 # the engine's steps timed on the host (TierManager attributes)
 STEPS = ("begin_call", "begin_stream", "stream_part", "wait_part", "end_part", "end_stream", "upload_int_lists",
-         "_stage_copy_run", "_dequantize", "wait_all", "prefetch", "read_ahead", "stage_ahead", "note_used", "note_prediction",
+         "_stage_copy_run", "_stage_copy_batch", "_dequantize", "wait_all", "prefetch", "read_ahead", "stage_ahead", "note_used", "note_prediction",
          "settle", "defer_whole")
 
 
@@ -215,6 +217,7 @@ def main() -> int:
         if f["buffers"]:
             mgr.WHOLE_BUFFERS = f["buffers"]
         mgr.WHOLE_PLAN_ON_COPY = f["plan"] == "copy"
+        mgr.BATCHED_COPIES = f["copies"] == "batch"
         if f["graphs"] != "auto" and (f["graphs"] == "on") != mgr.whole_graphs.enabled:
             mgr.whole_graphs = DecodeGraphs(device, f["graphs"] == "on")
         int8_scheme.USE_KERNEL = f["dequant"] == "kernel"

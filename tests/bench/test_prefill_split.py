@@ -13,12 +13,15 @@ prefill_split = load("prefill_split")
 def test_specs_default_their_optional_fields_and_refuse_unknown_choices():
     got = prefill_split.parse_spec("int8:auto:0:0.5")
     assert got == {"precision": "int8", "staging": "auto", "depth": "0", "fraction": 0.5, "whole": "auto", "buffers": None,
-                   "plan": "copy", "dequant": "kernel", "route": "uniform", "graphs": "auto"}
-    got = prefill_split.parse_spec("bf16:24:1:0.25:on:3:compute:torch:rebal-frozen:on")
-    assert (got["buffers"], got["plan"], got["dequant"], got["route"], got["graphs"]) == (3, "compute", "torch", "rebal-frozen", "on")
+                   "plan": "copy", "dequant": "kernel", "route": "uniform", "graphs": "auto",
+                   "copies": "batch"}
+    got = prefill_split.parse_spec("bf16:24:1:0.25:on:3:compute:torch:rebal-frozen:on:each")
+    assert (got["buffers"], got["plan"], got["dequant"], got["route"], got["graphs"], got["copies"]) == (
+        3, "compute", "torch", "rebal-frozen", "on", "each")
     for bad, word in (("int8:auto:0:0.5:auto::copy:kernel:zipf", "route"), ("int8:auto:0:0.5:maybe", "whole"),
                       ("int8:auto:0", "fields"), ("int8:auto:0:0.5:auto::copy:kernel:skewed:x", "graphs"),
-                      ("int8:auto:0:0.5:auto::copy:kernel:skewed:on:x", "fields")):
+                      ("int8:auto:0:0.5:auto::copy:kernel:skewed:on:x", "copies"),
+                      ("int8:auto:0:0.5:auto::copy:kernel:skewed:on:each:x", "fields")):
         with pytest.raises(SystemExit) as refused:
             prefill_split.parse_spec(bad)
         assert word in str(refused.value) and bad in str(refused.value)
