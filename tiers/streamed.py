@@ -14,8 +14,9 @@ reads waited on the host. Here the host plans the whole call once: the experts i
 run first, the call's experts cached in the reserved slots open the first parts where they lie
 (no read), the misses fill those parts and go on in parts of a buffer each, every row gets
 its part and slot as one sort key (one upload, one sort on the device), and each part then
-costs its copies and its grouped GEMMs: a copy per bf16 expert, or for small INT8 experts one
-copy per run of blobs back to back in the host pool and one stacked dequantization. Part ``p + 1``'s reads are
+costs its copies and its grouped GEMMs: a copy per bf16 expert tensor, or for small INT8 experts
+one copy per run of blobs back to back in the host pool and one stacked dequantization, the
+part's copies one driver batch (``tiers.h2d``). Part ``p + 1``'s reads are
 queued before part ``p``'s kernels, into the other buffer, after part ``p - 1``'s kernels.
 The copy engine reads, not the SMs (``stream_direct`` off): the GEMMs of a long call need the
 SMs. On the H200 a 6-layer Qwen3 prefill through direct stacks took 78 and 82 ms in bf16
