@@ -143,13 +143,16 @@ def decode_ms_per_token(model, prompt, tokens: int, device, reps: int) -> float:
 
 
 def thread_usage() -> tuple[float, float, int, int]:
-    """The calling thread's CPU seconds (user + system), system seconds, minor page faults and
-    involuntary context switches so far (Linux's per-thread rusage; the process's elsewhere)."""
+    """The calling thread's CPU seconds (user + system, its CPU clock: ``time.thread_time``),
+    system seconds, minor page faults and involuntary context switches so far (the last three
+    from Linux's per-thread rusage; the process's elsewhere). The CPU clock is exact to the
+    nanosecond; rusage's times come in scheduler ticks on some hosts (4 ms on the H200
+    machine's), so the system seconds of one short step are coarse where its CPU seconds are not."""
     import resource  # POSIX only: imported where it is used, so the module imports elsewhere
 
     who = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
     u = resource.getrusage(who)
-    return u.ru_utime + u.ru_stime, u.ru_stime, u.ru_minflt, u.ru_nivcsw
+    return time.thread_time(), u.ru_stime, u.ru_minflt, u.ru_nivcsw
 
 
 def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_start=None,
