@@ -3,8 +3,9 @@
 Owns: the CUDA driver's batched asynchronous copy (``cuMemcpyBatchAsync``, CUDA 12.8 and
 later), reached through ``ctypes`` because torch has none. Invariant: each copy is exact
 (bytes, no conversion) and the batch is queued on the stream given, like as many non_blocking
-``copy_`` calls from pinned memory; without the driver's batches, or for tensors off CUDA, it is
-done one copy at a time with ``copy_``, with the same result.
+``copy_`` calls from pinned memory; without the driver's batches, for tensors off CUDA, or on
+the legacy default stream (which batches refuse), it is done one copy at a time with ``copy_``,
+with the same result.
 
 Why: a streamed part queues a copy per expert tensor (bf16: into its slot of each slab) or per
 run of blobs (INT8: into transit rows), and each ``copy_`` from pinned memory costs the host
@@ -20,6 +21,7 @@ import ctypes
 import threading
 
 import torch
+
 
 class _Location(ctypes.Structure):
     """The driver's ``CUmemLocation``."""
@@ -56,7 +58,7 @@ class _Driver:
         self.error_name = lib.cuGetErrorName
         self.error_name.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.error_name.restype = ctypes.c_int
-        self.params = threading.local()  # one struct per thread, filled per call (the driver reads it during the call)
+        self.params = threading.local()  # per thread: the batches' attributes, and whether its context is bound
 
     def has_context(self) -> bool:
         """Whether this thread has a current context (one that never used CUDA has none)."""
@@ -101,20 +103,16 @@ def copy_batch(dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: torch
         return
     device = dsts[0].device
     drv = driver() if device.type == "cuda" and all(d.device == device for d in dsts) and all(s.device.type == "cpu" for s in srcs) else None
-    if drv is None:
-        on = stream if stream is not None and device.type == "cuda" else None
-        with torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
-            for d, s in zip(dsts, srcs):
-                d.copy_(s, non_blocking=True)
-        return
-    stream = stream if stream is not None else torch.cuda.current_stream(device)
-    if stream.cuda_stream == 0:  # the legacy default stream, which the driver's batches refuse
-        with torch.cuda.stream(stream):
-            for d, s in zip(dsts, srcs):
-                d.copy_(s, non_blocking=True)
-        return
-    _queue_batch(drv, [d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs], [d.numel() * d.element_size() for d in dsts],
-                 stream.cuda_stream, device)
+    if drv is not None:
+        stream = stream if stream is not None else torch.cuda.current_stream(device)
+        if stream.cuda_stream != 0:  # not the legacy default stream, which the driver's batches refuse
+            _queue_batch(drv, [d.data_ptr() for d in dsts], [s.data_ptr() for s in srcs],
+                         [d.numel() * d.element_size() for d in dsts], stream.cuda_stream, device)
+            return
+    on = stream if stream is not None and device.type == "cuda" else None
+    with torch.cuda.stream(on) if on is not None else contextlib.nullcontext():
+        for d, s in zip(dsts, srcs):
+            d.copy_(s, non_blocking=True)
 
 
 def _queue_batch(drv: _Driver, dsts: list[int], srcs: list[int], sizes: list[int], handle: int, device: torch.device) -> None:
