@@ -107,15 +107,24 @@ def test_the_driver_gets_the_batch_its_order_and_stream(monkeypatch, fail_index)
         h2d._queue_batch(drv, [100, 200], [300, 400], [8, 16], 77, torch.device("cuda", 0))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def cuda_only(test):
+    """Marked as a CUDA test, and skipped with the reason where there is no CUDA device."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
+
+
+def _cuda_targets(sizes: list[int]) -> tuple[torch.device, HostPool, list[torch.Tensor], list[torch.Tensor]]:
+    """Host blocks of ``sizes`` (``_host_blocks``) and zeroed CUDA buffers of the same sizes."""
+    device = torch.device("cuda")
+    pool, blocks = _host_blocks(sizes)
+    return device, pool, blocks, [torch.zeros(b.numel(), dtype=torch.uint8, device=device) for b in blocks]
+
+
+@cuda_only
 def test_copy_batch_is_queued_on_the_stream_given():
     """The batch runs on the stream given, after what that stream has queued: read on another
     stream while the given one sleeps, the bytes are still the old ones; after it, the new."""
-    device = torch.device("cuda")
     assert h2d.driver() is not None, "the H200 machine's driver has batched copies"
-    pool, blocks = _host_blocks([8000, 8000, 4096])
-    dsts = [torch.zeros(b.numel(), dtype=torch.uint8, device=device) for b in blocks]
+    device, pool, blocks, dsts = _cuda_targets([8000, 8000, 4096])
     side = torch.cuda.Stream(device)
     torch.cuda.synchronize(device)
     with torch.cuda.stream(side):
@@ -128,13 +137,10 @@ def test_copy_batch_is_queued_on_the_stream_given():
     pool.close()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_only
 def test_copy_batch_on_the_legacy_default_stream():
     """The driver refuses batches on the legacy default stream: there the copies go one by one."""
-    device = torch.device("cuda")
-    pool, blocks = _host_blocks([4096, 1000])
-    dsts = [torch.zeros(b.numel(), dtype=torch.uint8, device=device) for b in blocks]
+    device, pool, blocks, dsts = _cuda_targets([4096, 1000])
     assert torch.cuda.current_stream(device).cuda_stream == 0
     copy_batch(dsts, blocks)
     torch.cuda.synchronize(device)
@@ -142,13 +148,10 @@ def test_copy_batch_on_the_legacy_default_stream():
     pool.close()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@cuda_only
 def test_copy_batch_from_a_thread_new_to_cuda():
     """A thread that never used CUDA has no current context for the driver: the batch still lands."""
-    device = torch.device("cuda")
-    pool, blocks = _host_blocks([4096, 4096])
-    dsts = [torch.zeros(b.numel(), dtype=torch.uint8, device=device) for b in blocks]
+    device, pool, blocks, dsts = _cuda_targets([4096, 4096])
     side = torch.cuda.Stream(device)
     errors = []
 
