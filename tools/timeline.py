@@ -166,7 +166,8 @@ def instrument(model, mgr, marks: Marks) -> list:
     wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
     wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
     # the plan's upload (on the compute stream): does it wait behind the copy stream's reads?
-    wrap("upload_int_lists", before=lambda *a, **k: marks.mark("upload", marks.layer), after=lambda *a, **k: marks.mark("uploaded", marks.layer))
+    wrap("upload_int_lists", before=lambda *a, **k: marks.mark("upload", marks.layer),
+         after=lambda *a, **k: marks.mark("uploaded", marks.layer))
     if hasattr(mgr, "read_ahead"):  # the streamed read-ahead tried in prefill_split-qwen3_moe-ahead*.json
         wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
     return undo
@@ -210,16 +211,18 @@ def _site(frames: list) -> str:
 
 
 @contextlib.contextmanager
-def host_syncs(on: bool, set_mode=None):
+def host_syncs(on: bool, set_mode=None, get_mode=None):
     """The synchronizing CUDA calls made in the block, as torch's sync debug mode reports them
     (copies to the host such as ``.tolist()``, ``.item()``, stream and device synchronizes; it
-    does not report every kind), each as ``_site``'s ``path:line``, into the list yielded; the mode is set back whatever the block raised. Nothing is recorded when
-    not ``on`` (no CUDA). ``set_mode``: torch's setter, replaced in tests."""
+    does not report every kind), each as ``_site``'s ``path:line``, into the list yielded; the
+    mode is set back to what it was, whatever the block raised. Nothing is recorded when not
+    ``on`` (no CUDA). ``set_mode``, ``get_mode``: torch's setter and getter, replaced in tests."""
     sites: list[str] = []
     if not on:
         yield sites
         return
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    previous = (get_mode or torch.cuda.get_sync_debug_mode)()
 
     recording = [False]  # the block's syncs only: torch's setter itself warned on CUDA (run 50, as it set "warn")
 
@@ -238,7 +241,7 @@ def host_syncs(on: bool, set_mode=None):
             yield sites
         finally:
             recording[0] = False
-            set_mode("default")
+            set_mode(previous)
 
 
 def rebalancer_counts(mgr) -> dict[str, int]:

@@ -119,35 +119,43 @@ def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_r
 
 
 def test_host_syncs_name_where_each_sync_was_made_and_set_the_mode_back():
-    """A fake setter stands in for torch's (CPU torch has no sync debug mode): the block's sync
-    warnings are recorded with the line of this repository's code that made them, other warnings
-    are not, and the mode goes back to default also when the block raises."""
+    """A fake setter and getter stand in for torch's (CPU torch has no sync debug mode): the
+    block's sync warnings are recorded with the line of this repository's code that made them,
+    other warnings are not, and the mode goes back to what it was (default, or as set before the
+    block) also when the block raises."""
+    import functools
     import warnings
 
     modes = []
+    host_syncs = functools.partial(timeline.host_syncs, get_mode=lambda: "default")
 
     def synced():
         warnings.warn("called a synchronizing CUDA operation")  # the line recorded
 
-    with timeline.host_syncs(True, set_mode=modes.append) as syncs:
+    with host_syncs(True, set_mode=modes.append) as syncs:
         synced()
         warnings.warn("something else")
         assert modes == ["warn"]
     line = synced.__code__.co_firstlineno + 1
     assert syncs == [f"tests/tools/test_timeline.py:{line}"] and modes == ["warn", "default"]
     with pytest.raises(RuntimeError):
-        with timeline.host_syncs(True, set_mode=modes.append):
+        with host_syncs(True, set_mode=modes.append):
             raise RuntimeError("boom")
     assert modes[-1] == "default"
+    with pytest.raises(RuntimeError):
+        with timeline.host_syncs(True, set_mode=modes.append, get_mode=lambda: 2):  # "error" set before the block
+            raise RuntimeError("boom")
+    assert modes[-2:] == ["warn", 2]
+    del modes[-2:]
 
     def warning_setter(mode):  # torch's setter itself warned on CUDA: not the block's sync
         modes.append(mode)
         warnings.warn("called a synchronizing CUDA operation")
-    with timeline.host_syncs(True, set_mode=warning_setter) as syncs:
+    with host_syncs(True, set_mode=warning_setter) as syncs:
         pass
     assert syncs == [] and modes[-2:] == ["warn", "default"]
     del modes[-2:]
-    with timeline.host_syncs(False, set_mode=modes.append) as none, pytest.warns(UserWarning, match="synchronizing"):
+    with host_syncs(False, set_mode=modes.append) as none, pytest.warns(UserWarning, match="synchronizing"):
         synced()
     assert none == [] and len(modes) == 4  # off: the mode is not touched
 
