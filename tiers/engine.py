@@ -1040,7 +1040,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self.stats_.resolve()
         static = int(self._static_hits.item()) + self._static_host_hits
         direct_gpu, direct_cpu, direct_bytes = self.direct_served()
-        m, cfg = self.manifest, self.cfg
+        m = self.manifest
         residency = {h.value: {"experts": 0, "bytes": 0} for h in Home}
         for k, r in self.table.items():  # where each expert lives now (the rebalancer moves them)
             size = m.layers[k.layer].layout.nbytes() if r.home is Home.GPU else m.blob(k, self._precision_of(r)).stride
