@@ -53,6 +53,7 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -
     rc = _copy2d(ctypes.byref(p), stream.cuda_stream)
     assert rc == 0, f"cuMemcpy2DAsync failed: {rc}"
 
+
 SHAPES = {  # expert tensors, bf16: name -> shape (the experts module's own layout)
     "qwen3_moe": {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)},
     "mixtral": {"gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)},

@@ -96,13 +96,15 @@ def copy_batch(dsts: list[torch.Tensor], srcs: list[torch.Tensor], stream: torch
     no two may overlap; the sources must be pinned and stay unchanged until the stream has run
     them. Anything else, a driver without batches, or the legacy default stream (which batches
     refuse) copies with ``copy_`` one by one, on ``stream``."""
+    device = dsts[0].device if dsts else None
+    host_to_device = device is not None and device.type == "cuda"  # every copy from the host into this one device
     for d, s in zip(dsts, srcs, strict=True):
         if d.shape != s.shape or d.dtype != s.dtype or not (d.is_contiguous() and s.is_contiguous()):
             raise ValueError(f"batched copy: {tuple(s.shape)} {s.dtype} into {tuple(d.shape)} {d.dtype}, both must be contiguous")
+        host_to_device = host_to_device and d.device == device and s.device.type == "cpu"
     if not dsts:
         return
-    device = dsts[0].device
-    drv = driver() if device.type == "cuda" and all(d.device == device for d in dsts) and all(s.device.type == "cpu" for s in srcs) else None
+    drv = driver() if host_to_device else None
     if drv is not None:
         stream = stream if stream is not None else torch.cuda.current_stream(device)
         if stream.cuda_stream != 0:  # not the legacy default stream, which the driver's batches refuse
