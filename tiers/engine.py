@@ -677,7 +677,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             else:  # a copy per run (A/B runs)
                 for dst, src in zip(dsts, runs):
                     dst.copy_(src, non_blocking=True)
-        self._count_read("cpu", sum(src.numel() for src in srcs), t0)
+        self._count_batch(pool, srcs, t0)
         self._dequantize(b, _Stack(pool, blob, blob.precision, row0, list(slots)))
 
     def _stage_copy_batch(self, b: _Batch, pool: SlotPool, blob: Any, slots: list[int], srcs: list[torch.Tensor]) -> None:
@@ -697,10 +697,16 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._mark_start(b)
             copy_batch(dsts, views, self.copy_stream)
         b.copied.setdefault(id(pool), (pool, []))[1].extend(slots)
+        self._count_batch(pool, srcs, t0)
+
+    def _count_batch(self, pool: SlotPool, srcs: list[torch.Tensor], t0: float) -> None:
+        """Count a batched staging's warm reads (``srcs``) as ``_queue_read`` counts one: the
+        bytes moved from the cpu tier, the staging time, and in the decode stage the pool's
+        decode reads."""
+        nbytes = sum(src.numel() for src in srcs)
         if self.decoding:
-            for src in srcs:
-                self.note_decode_read(pool, src.numel())
-        self._count_read("cpu", sum(src.numel() for src in srcs), t0)
+            self.note_decode_read(pool, nbytes)
+        self._count_read("cpu", nbytes, t0)
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the

@@ -216,6 +216,28 @@ def test_a_streamed_part_is_one_batch_and_lands_exactly(device, packed_factory, 
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_a_streamed_part_in_decode_notes_its_reads(device, packed_factory, precision):
+    """A streamed part queued in the decode stage counts its bytes among the pool's decode reads
+    (what decides whether decode reads its misses directly), bf16 and INT8 alike, as a part
+    outside the decode stage does not."""
+    cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": precision},
+                     "nvme": {"precision": precision}}}
+    model = tiers.load(packed_factory("qwen3_moe"), cfg, device=device, progress=False)
+    mgr = manager_of(model)
+    layer = next(L for L in mgr.manifest.layers if L not in mgr.static_maps)
+    nbytes = mgr.manifest.blob(ExpertKey(layer, 0), precision).nbytes
+    for decoding in (False, True):
+        mgr.decoding = decoding
+        mgr._stage_bytes.clear()
+        s = mgr.begin_stream(layer, list(range(8)))
+        mgr.stream_part(s, 0)
+        mgr.end_stream(s)
+        want = {id(s.pool): len(s.parts[0]) * nbytes} if decoding else {}
+        assert mgr._stage_bytes == want, f"decoding={decoding}"
+    mgr.decoding = False
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_batched_copies_off_queues_a_copy_per_expert(packed_factory, monkeypatch, precision):
     """``BATCHED_COPIES`` off (the A/B runs' other arm): no batch; a bf16 part goes through the
     per-expert path, an INT8 part copies each run alone."""
