@@ -12,9 +12,16 @@ allocates) cannot unregister then: CUDA refuses the call in a capture, and the c
 unregistration waits, with the mapping kept, until the next pool is made or closed outside a
 capture (``release_pending``): were the pages unmapped while registered, a later mapping at that
 address could not be registered (CUDA error 712, the registration already there).
+
+A registration or unregistration that CUDA refuses is reported by this module (an error, or a
+warning with the mapping kept), and the CUDA runtime's last error it left is cleared
+(``reset_last_error``): torch checks that error after each kernel launch, and would fail the
+thread's next kernel with it.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import mmap
 import weakref
@@ -24,14 +31,39 @@ import torch
 from loader.blob import BLOB_ALIGN, align
 
 
+@functools.cache
+def _runtime_library(maps_path: str = "/proc/self/maps") -> ctypes.CDLL | None:
+    """The CUDA runtime library this process has mapped (torch's: the same instance, whose last
+    error torch checks), or None where none is (not Linux, or a runtime linked statically)."""
+    try:
+        with open(maps_path) as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and "/libcudart.so" in fields[5]:
+                    return ctypes.CDLL(fields[5].strip())
+    except OSError:
+        pass
+    return None
+
+
+def reset_last_error() -> int:
+    """Clear the CUDA runtime's last error on this thread; returns the error it held (-1 where the
+    runtime cannot be reached). A runtime call that fails leaves its error there, and torch
+    checks it after each kernel launch: a registration refused here, reported as our own error,
+    would otherwise fail the thread's next kernel with it."""
+    lib = _runtime_library()
+    return int(lib.cudaGetLastError()) if lib is not None else -1
+
+
 def pin_host(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s memory in place. Returns False (and does nothing) without CUDA."""
     if not torch.cuda.is_available() or t.numel() == 0:
         return False
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(rc) != 0:
-        why = " (part of the range is registered already)" if int(rc) == 712 else ""
-        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed with CUDA error {int(rc)}{why}")
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    if rc != 0:
+        reset_last_error()
+        why = " (part of the range is registered already)" if rc == 712 else ""
+        raise RuntimeError(f"cudaHostRegister of {t.numel() * t.element_size()} bytes failed with CUDA error {rc}{why}")
     return True
 
 
@@ -49,6 +81,7 @@ def _unregister(ptr: int, mapping: mmap.mmap) -> None:
         return
     rc = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if rc != 0:
+        reset_last_error()
         log.warning("cudaHostUnregister of a host pool failed with CUDA error %d; its mapping is kept", rc)
         _pending.append((ptr, mapping))
 

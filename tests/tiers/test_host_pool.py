@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import os
 
 import pytest
 import torch
@@ -18,11 +19,16 @@ from tiers.host_pool import HostPool
 
 
 class FakeCudart:
-    """Records unregistrations; fails the next ``fail`` of them."""
+    """Records unregistrations; fails the next ``fail`` of them; refuses registrations with
+    ``register_rc``."""
 
-    def __init__(self, fail: int = 0):
+    def __init__(self, fail: int = 0, register_rc: int = 0):
         self.unregistered: list[int] = []
         self.fail = fail
+        self.register_rc = register_rc
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:
+        return self.register_rc
 
     def cudaHostUnregister(self, ptr: int) -> int:
         if self.fail:
@@ -34,10 +40,16 @@ class FakeCudart:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    state = {"capturing": False, "cudart": FakeCudart()}
+    state = {"capturing": False, "cudart": FakeCudart(), "resets": 0}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(torch.cuda, "cudart", lambda: state["cudart"])
     monkeypatch.setattr(host_pool, "_pending", [])
+
+    def reset():
+        state["resets"] += 1
+        return 0
+
+    monkeypatch.setattr(host_pool, "reset_last_error", reset)
     return state
 
 
@@ -60,7 +72,49 @@ def test_a_refused_unregistration_is_retried_not_dropped(fake_cuda, caplog):
     with caplog.at_level("WARNING", logger="tiers.host_pool"):
         host_pool._unregister(99, mapping)
     assert host_pool._pending == [(99, mapping)] and "CUDA error 1" in caplog.text
+    assert fake_cuda["resets"] == 1  # the runtime's last error, left by the refusal, is cleared
     assert host_pool.release_pending() == 0 and fake_cuda["cudart"].unregistered == [99]
+    assert fake_cuda["resets"] == 1
+
+
+def test_a_refused_registration_names_its_error_and_clears_it(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    fake_cuda["cudart"].register_rc = 712
+    with pytest.raises(RuntimeError, match=r"4096 bytes failed with CUDA error 712 \(part of the range is registered already\)"):
+        host_pool.pin_host(torch.zeros(4096, dtype=torch.uint8))
+    assert fake_cuda["resets"] == 1
+    fake_cuda["cudart"].register_rc = 0
+    assert host_pool.pin_host(torch.zeros(8, dtype=torch.uint8)) is True
+    assert fake_cuda["resets"] == 1  # a registration that succeeds leaves the runtime alone
+
+
+def _mapped(fragment: str) -> str | None:
+    """The path of a library this process has mapped whose path holds ``fragment``."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fragment in fields[5]:
+                return fields[5].strip()
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
+def test_the_runtime_library_is_the_one_mapped(tmp_path):
+    """``_runtime_library`` loads the libcudart the process has mapped, from its maps' path
+    column (here a stand-in: a link named like it to the C library), and None where none is."""
+    libc = _mapped("/libc.so")
+    if libc is None:
+        pytest.skip("no C library mapped to stand in")
+    link = tmp_path / "libcudart.so.13"
+    link.symlink_to(libc)
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r--p 00000000 00:00 0 \n"  # an anonymous mapping: no path
+                    f"7f01-7f02 r-xp 00000000 08:01 42 {link}\n")
+    lib = host_pool._runtime_library.__wrapped__(str(maps))
+    assert lib is not None and lib._name == str(link) and hasattr(lib, "getpid")
+    maps.write_text(f"7f01-7f02 r-xp 00000000 08:01 42 {libc}\n")
+    assert host_pool._runtime_library.__wrapped__(str(maps)) is None
+    assert host_pool._runtime_library.__wrapped__(str(tmp_path / "absent")) is None
 
 
 def test_outside_a_capture_unregisters_at_once(fake_cuda):
@@ -122,3 +176,20 @@ def test_decode_graphs_capture_with_the_collector_off():
     assert torch.equal(out, a * 2) and graphs.captured == 1 and graphs.failed == 0
     assert seen == [True, False]  # the eager call with it on, the capture with it off
     assert gc.isenabled()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_refused_registration_leaves_the_next_kernel_alone():
+    """Registering a pool's slab a second time is refused (CUDA error 712) and reported as our
+    error; the thread's next kernels run, with no CUDA error of that refusal left for torch's
+    launch check to find."""
+    pool = HostPool(1 << 20, pin=True)
+    assert host_pool._runtime_library() is not None  # torch's runtime is mapped: the error can be cleared
+    with pytest.raises(RuntimeError, match="CUDA error 712"):
+        host_pool.pin_host(pool.slab)
+    y = torch.arange(4.0, device="cuda") * 2  # torch checks the runtime's last error after the launch
+    torch.cuda.synchronize()
+    assert torch.equal(y.cpu(), torch.arange(4.0) * 2)
+    assert host_pool.reset_last_error() == 0
+    pool.close()
