@@ -15,7 +15,7 @@ and, for ``--profile`` steps from ``--profile-from`` on, the functions that took
 time (``cProfile``, by own time, the top 12).
 
     python bench/step_probe.py [--model mixtral] [--layers 8] [--steps 96] [--order alternate|blocks]
-        [--gc on|off] [--profile 8] [--profile-from 40] --out FILE
+        [--gc on|off] [--cudnn-sdpa on|off] [--profile 8] [--profile-from 40] --out FILE
 """
 import os
 import sys
@@ -84,11 +84,15 @@ def main() -> int:
     ap.add_argument("--order", choices=("alternate", "blocks"), default="alternate",
                     help="alternate: the bench's interleaving; blocks: each model 8 steps at a time, the two in turn")
     ap.add_argument("--gc", choices=("on", "off"), default="on")
+    ap.add_argument("--cudnn-sdpa", choices=("on", "off"), default="on",
+                    help="off: take cuDNN out of torch's attention backends (torch.backends.cuda.enable_cudnn_sdp)")
     ap.add_argument("--profile", type=int, default=8, help="forwards profiled (cProfile), from --profile-from on")
     ap.add_argument("--profile-from", type=int, default=40)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cudnn_sdpa == "off":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     shapes = measure.SHAPES if device.type == "cuda" else measure.TINY
     shape = dict(shapes[args.model], layers=args.layers)
     models = [measure.build(args.model, shape, device, seed=i) for i in range(2)]
