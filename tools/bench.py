@@ -64,8 +64,8 @@ TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25
 from tiers.cache import POLICIES  # noqa: E402
 from tiers.config import TiersConfig  # noqa: E402
 from tools.measure import (  # noqa: E402
-    SHAPES, TINY, block_means, build, copy_sweep, decode_ms_per_token, expert_modules, interleaved_decode, lazy_experts_forward,
-    prefill_seconds, sync, write_result,
+    INTERLEAVE_SKIP, SHAPES, TINY, block_means, build, copy_sweep, decode_ms_per_token, expert_modules, interleaved_decode,
+    lazy_experts_forward, prefill_seconds, sync, write_result,
 )
 from tools.timeline import marked_prefill, rebalancer_change, rebalancer_counts  # noqa: E402
 
@@ -117,6 +117,9 @@ def run(args) -> dict:
     expert_bytes = sum(p.numel() * p.element_size() for _, m in mods.values() for n, p in m.named_parameters(recurse=False) if p.dim() >= 3)
     result["expert_bytes_bf16"] = expert_bytes
     result["experts"] = sum(m.num_experts for _, m in mods.values())
+
+    if args.attention_warmup:
+        result["attention_warmup"] = warm_attention(model, prompt, attention_warmup_tokens(args), device)
 
     def save_partial():
         if args.out:
@@ -546,6 +549,35 @@ def interleaved_bounds(row: dict) -> None:
 REBALANCE_WARMUP_GENERATE = 64  # tokens per generate of the rebalancer's warm-up, at most (a short KV cache)
 
 
+def attention_warmup_tokens(args) -> int:
+    """New tokens of the generate that warms attention before any arm: enough for a decode step
+    at every KV length the run decodes at (its warm-up, timed and rebalancer warm-up generates,
+    the lazy and accelerate arms', and the interleaved steps, untimed ones included)."""
+    return max(args.warmup_tokens, args.tokens + 1, args.slow_tokens + 1, REBALANCE_WARMUP_GENERATE if args.rebalance_warmup > 0 else 0,
+               args.interleave + INTERLEAVE_SKIP + 1 if args.interleave else 0)
+
+
+def warm_attention(model, prompt, tokens: int, device) -> dict:
+    """Generate ``tokens`` twice with the all-GPU model before any arm runs, and time both.
+
+    Why: torch's attention builds a cuDNN plan the first time it meets a shape, where cuDNN is
+    among its backends (torch 2.11 on the H200), and decode meets a new KV length at each step:
+    on the H200's host each new length took about 5 ms per attention layer, tens of ms per
+    step, once per process (``bench/results/step_probe-*.json``). Unwarmed, whichever arm first
+    decoded at a length paid for it: the Tiers 100% arm, the first after the all-GPU arm to
+    decode past its lengths, in the interleaved steps beyond them. The plans are kept per
+    shape, so one model's generate warms every arm's attention."""
+    times = []
+    for _ in range(2):
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled() if device.type == "cuda" else None
+    return {"tokens": tokens, "first_s": times[0], "second_s": times[1], "cudnn_sdp": cudnn}
+
+
 def rebalance_warmup_generates(tokens: int) -> list[int]:
     """The generates of ``--rebalance-warmup``: ``tokens`` split into generates of at most
     ``REBALANCE_WARMUP_GENERATE`` tokens."""
@@ -623,12 +655,21 @@ def offload_overheads(result: dict) -> dict:
     return {"overhead_ms": slow, "arms": out} if out else {}
 
 
+def attention_warmup_lines(w: dict | None) -> list[str]:
+    """The Markdown's note of the attention warm-up (none for runs without it)."""
+    if not w:
+        return []
+    return [f"Attention warmed before any arm: the all-GPU model generated {w['tokens']} tokens twice, in {w['first_s']:.2f} s "
+            f"and then {w['second_s']:.2f} s (cuDNN among torch's attention backends: {w['cudnn_sdp']}).", ""]
+
+
 def markdown(r: dict) -> str:
     mib = 2**20
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
              f"Command: `{r['command']}`", "",
              f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; "
              f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']} (Tiers with the rebalancer on; `_norebal`: off).", "",
+             *attention_warmup_lines(r.get("attention_warmup")),
              "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | paired all-GPU ms/token (ratio; overhead / bytes) "
              "| prefill s | prefill / bound (paired) | MiB moved/token (cpu, nvme, rebalance) "
              "| H2D GB/s | GPU hit rate | GPU hits / Belady | prefetch accuracy | peak GPU GiB |",
@@ -804,6 +845,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="rounds of the cold-read passes, odd ones in reverse order (2: each pass once early and once late)")
     ap.add_argument("--reader-threads", type=int, default=4)
     ap.add_argument("--warmup-tokens", type=int, default=32, help="tokens generated before timing (all arms but lazy and accelerate)")
+    ap.add_argument("--attention-warmup", action=argparse.BooleanOptionalAction, default=True,
+                    help="before any arm, generate with the all-GPU model at every KV length the run decodes at, twice, timed: "
+                         "torch's attention builds a plan per new shape where cuDNN is among its backends (--no-attention-warmup: "
+                         "the runs up to Qwen3's 51 and Mixtral's 39)")
     ap.add_argument("--rebalance-warmup", type=int, default=0,
                     help="Tiers @skewed arms with the rebalancer: this many more tokens generated before timing, so the timed "
                          "repetitions see a settled hot set (0: none, the rebalancer still settling while timed)")

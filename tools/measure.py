@@ -155,7 +155,10 @@ def thread_usage() -> tuple[float, float, int, int]:
     return time.thread_time(), u.ru_stime, u.ru_minflt, u.ru_nivcsw
 
 
-def interleaved_decode(models, prompt, steps: int, device, *, skip: int = 8, on_start=None,
+INTERLEAVE_SKIP = 8  # interleaved_decode's untimed steps before the timed ones
+
+
+def interleaved_decode(models, prompt, steps: int, device, *, skip: int = INTERLEAVE_SKIP, on_start=None,
                        usage: list[list[dict]] | None = None) -> list[list[float]]:
     """Seconds of each greedy decode step (batch 1, from ``prompt``) of each of ``models``, the
     models taking turns step by step, each step timed alone between device syncs; the order

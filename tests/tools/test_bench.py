@@ -1,6 +1,7 @@
 """The benchmark harness on tiny shapes (CPU): structure, bound arithmetic, and a fair lazy baseline."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -281,6 +282,35 @@ def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monke
         assert 150 not in [n for who, n in calls if who == "gpu"] and 64 not in [n for who, n in calls if who == "gpu"]
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--rebalance-warmup", "-1", "--out", str(tmp_path)])
+
+
+def test_attention_is_warmed_at_every_decoded_length_before_any_arm(tmp_path, monkeypatch):
+    """Before any arm, the all-GPU model generates twice, one decode step at every KV length the
+    run decodes at (here the interleaved steps' 16 + 8 untimed, the longest), both timed; off
+    with ``--no-attention-warmup``."""
+    calls = _spy_generates(monkeypatch)
+    argv = ["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5", "--interleave", "16",
+            "--arms", "all_gpu,tiers_25_int8", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    want = 16 + bench.INTERLEAVE_SKIP + 1
+    assert calls[:3] == [("gpu", want), ("gpu", want), ("gpu", 5)], calls[:4]
+    w = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["attention_warmup"]
+    assert w["tokens"] == want and w["first_s"] > 0 and w["second_s"] > 0 and w["cudnn_sdp"] is None  # no CUDA here
+    assert f"generated {want} tokens twice" in (tmp_path / "bench-mixtral-tiny.md").read_text()
+    calls.clear()
+    assert bench.main(argv + ["--no-attention-warmup"]) == 0
+    assert calls[0] == ("gpu", 5)
+    assert "attention_warmup" not in json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
+
+
+def test_the_attention_warmup_covers_the_longest_decode():
+    """Each of the run's decodes can be the longest: the warm-up takes the largest."""
+    ns = argparse.Namespace(warmup_tokens=32, tokens=16, slow_tokens=2, rebalance_warmup=0, interleave=0)
+    assert bench.attention_warmup_tokens(ns) == 32
+    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "tokens": 40})) == 41
+    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "slow_tokens": 50})) == 51
+    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "rebalance_warmup": 1})) == bench.REBALANCE_WARMUP_GENERATE
+    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "interleave": 192})) == 192 + bench.INTERLEAVE_SKIP + 1
 
 
 def test_prefill_is_timed_at_least_prefill_reps_min_times(tmp_path, monkeypatch):
