@@ -2,7 +2,8 @@
 # The benchmark runs behind bench/results, on a CUDA machine; results go to ${OUT:-gpu-out}/results.
 # Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call)
 # Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
-# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run51.md, -mixtral-run38.md).
+# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run51.md, -mixtral-run40.md);
+# the bench warms attention first by default (--attention-warmup), which Qwen3's run 51 predates.
 set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
