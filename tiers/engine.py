@@ -534,9 +534,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
         if source == "nvme":
             b.rings.append((id(pool), slot))
-        if self.decoding:
-            self.note_decode_read(pool, src.numel())
-        self._count_read(source, src.numel(), t0)
+        self._count_staged(pool, source, src.numel(), t0)
 
     def _reads_direct(self, pool: SlotPool, blob: Any, direct: bool) -> bool:
         """Whether a read of ``blob`` into ``pool`` goes through a direct stack: asked for
@@ -677,7 +675,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             else:  # a copy per run (A/B runs)
                 for dst, src in zip(dsts, runs):
                     dst.copy_(src, non_blocking=True)
-        self._count_batch(pool, srcs, t0)
+        self._count_staged(pool, "cpu", sum(src.numel() for src in srcs), t0)
         self._dequantize(b, _Stack(pool, blob, blob.precision, row0, list(slots)))
 
     def _stage_copy_batch(self, b: _Batch, pool: SlotPool, blob: Any, slots: list[int], srcs: list[torch.Tensor]) -> None:
@@ -697,16 +695,15 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self._mark_start(b)
             copy_batch(dsts, views, self.copy_stream)
         b.copied.setdefault(id(pool), (pool, []))[1].extend(slots)
-        self._count_batch(pool, srcs, t0)
+        self._count_staged(pool, "cpu", sum(src.numel() for src in srcs), t0)
 
-    def _count_batch(self, pool: SlotPool, srcs: list[torch.Tensor], t0: float) -> None:
-        """Count a batched staging's warm reads (``srcs``) as ``_queue_read`` counts one: the
-        bytes moved from the cpu tier, the staging time, and in the decode stage the pool's
-        decode reads."""
-        nbytes = sum(src.numel() for src in srcs)
+    def _count_staged(self, pool: SlotPool, source: str, nbytes: int, t0: float) -> None:
+        """Count ``nbytes`` staged into ``pool`` from ``source`` (one read, or a batch of them):
+        the bytes moved, the staging time since ``t0``, and in the decode stage the pool's decode
+        reads."""
         if self.decoding:
             self.note_decode_read(pool, nbytes)
-        self._count_read("cpu", nbytes, t0)
+        self._count_read(source, nbytes, t0)
 
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack of copies (consecutive transit rows of one pool) into their slots on the
