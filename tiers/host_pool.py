@@ -31,19 +31,29 @@ import torch
 from loader.blob import BLOB_ALIGN, align
 
 
-@functools.cache
-def _runtime_library(maps_path: str = "/proc/self/maps") -> ctypes.CDLL | None:
-    """The CUDA runtime library this process has mapped (torch's: the same instance, whose last
-    error torch checks), or None where none is (not Linux, or a runtime linked statically)."""
+def mapped_path(fragment: str, maps_path: str = "/proc/self/maps") -> str | None:
+    """The path of a file this process has mapped whose path holds ``fragment`` (the path
+    column of ``maps_path``), or None where none is or the maps cannot be read (not Linux)."""
     try:
         with open(maps_path) as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
-                if len(fields) == 6 and "/libcudart.so" in fields[5]:
-                    return ctypes.CDLL(fields[5].strip())
+                if len(fields) == 6 and fragment in fields[5]:
+                    return fields[5].strip()
     except OSError:
         pass
     return None
+
+
+@functools.cache
+def _runtime_library(maps_path: str = "/proc/self/maps") -> ctypes.CDLL | None:
+    """The CUDA runtime library this process has mapped (torch's: the same instance, whose last
+    error torch checks), or None where none is (not Linux, or a runtime linked statically)."""
+    path = mapped_path("/libcudart.so", maps_path)
+    try:
+        return ctypes.CDLL(path) if path is not None else None
+    except OSError:
+        return None
 
 
 def reset_last_error() -> int:

@@ -88,21 +88,11 @@ def test_a_refused_registration_names_its_error_and_clears_it(fake_cuda, monkeyp
     assert fake_cuda["resets"] == 1  # a registration that succeeds leaves the runtime alone
 
 
-def _mapped(fragment: str) -> str | None:
-    """The path of a library this process has mapped whose path holds ``fragment``."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fragment in fields[5]:
-                return fields[5].strip()
-    return None
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc")
 def test_the_runtime_library_is_the_one_mapped(tmp_path):
     """``_runtime_library`` loads the libcudart the process has mapped, from its maps' path
     column (here a stand-in: a link named like it to the C library), and None where none is."""
-    libc = _mapped("/libc.so")
+    libc = host_pool.mapped_path("/libc.so")
     if libc is None:
         pytest.skip("no C library mapped to stand in")
     link = tmp_path / "libcudart.so.13"
