@@ -254,16 +254,20 @@ def run(args) -> dict:
         # repetition times the arm and then the paired all-GPU model.
         runs: dict[int, list] = {1: [], args.tokens + 1: []}
         paired_runs: dict[int, list] = {1: [], args.tokens + 1: []}
+        rebalanced: list[dict] = []  # what the rebalancer did in each repetition's long generate
         for _ in range(arm_reps):
             for n in runs:
                 sync(device)
                 mgr.reset_stats()
+                before = mgr.rebalancer.report() if mgr.rebalancer is not None else {}
                 t0 = time.perf_counter()
                 gen(n)
                 sync(device)
                 elapsed = time.perf_counter() - t0
                 st = mgr.stats()
                 runs[n].append((elapsed, dict(st.bytes_moved) | {"_stall": st.stall_seconds}))
+                if n > 1:
+                    rebalanced.append(counter_deltas(before, st.rebalance, gauges=("in_flight",)))
                 graphs = st.graphs  # the last timed generate's decode graphs
             with routed(paired, name):
                 for n in paired_runs:
@@ -318,7 +322,13 @@ def run(args) -> dict:
             # far the host's slow phases move single repetitions, which the medians above hide
             "decode_ms_per_rep": [(f - o) / args.tokens * 1e3 for (o, _), (f, _) in zip(one, full)],
             "paired_decode_ms_per_rep": [(f - o) / args.tokens * 1e3 for o, f in zip(paired_runs[1], paired_runs[args.tokens + 1])],
+            # and what each repetition moved, per decode token by source, and rebalanced: whether a
+            # slow repetition moved more, or came while the hot set was still settling
+            "bytes_moved_per_rep": [{k: (fb.get(k, 0) - ob.get(k, 0)) / args.tokens for k in sorted(sources - {"_stall"})}
+                                    for (_, ob), (_, fb) in zip(one, full)],
         }
+        if mgr.rebalancer is not None:
+            extra["rebalance_per_rep"] = rebalanced
         if stepped is not None:
             extra["interleaved"] = stepped
         if device.type == "cuda":
@@ -547,6 +557,13 @@ def interleaved_bounds(row: dict) -> None:
 
 
 REBALANCE_WARMUP_GENERATE = 64  # tokens per generate of the rebalancer's warm-up, at most (a short KV cache)
+
+
+def counter_deltas(before: dict, after: dict, gauges: tuple[str, ...] = ()) -> dict:
+    """``after`` less ``before``, for the counters of a report such as the rebalancer's: its int
+    entries other than ``gauges`` (values that are a state, not a count)."""
+    return {k: v - before.get(k, 0) for k, v in after.items()
+            if k not in gauges and isinstance(v, int) and not isinstance(v, bool)}
 
 
 def attention_warmup_tokens(args) -> int:

@@ -81,6 +81,12 @@ def test_decode_graphs_flag_reaches_the_tiers_arms(tmp_path):
     assert r["arms"]["tiers_25_int8"]["config"]["tiers"]["gpu"]["decode_graphs"] is False
 
 
+def test_counter_deltas_skip_gauges_and_non_counts():
+    before = {"rebalances": 3, "promoted_hot": 5, "in_flight": 2}
+    after = {"rebalances": 7, "promoted_hot": 5, "in_flight": 1, "new": 4, "flag": True, "rate": 0.5}
+    assert bench.counter_deltas(before, after, gauges=("in_flight",)) == {"rebalances": 4, "promoted_hot": 0, "new": 4}
+
+
 def test_rep_overhead_is_the_median_of_differences_within_repetitions():
     """Repetitions on a host whose speed changes: the median of the per-repetition differences
     keeps the arm's true 1 ms overhead, the difference of the medians does not."""
@@ -133,6 +139,12 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     hits, optimum, lookups = t["gpu_hits_vs_belady"]
     assert 0 < hits <= optimum <= lookups
     assert t["rebalance"]["rebalances"] > 0
+    # what the rebalancer did in the timed repetition: its counters' change over that generate
+    (rep,) = t["rebalance_per_rep"]
+    assert set(rep) == {"rebalances", "promoted_hot", "promoted_warm", "read_errors"}  # in_flight is a state, not a count
+    # one 5-token generate, rebalancing every 2 tokens: at most 5 // 2 + 1 rounds (the prompt's forward
+    # may close one), none of the warm-up's or earlier repetitions' rounds
+    assert 0 < rep["rebalances"] <= 5 // 2 + 1 < t["rebalance"]["rebalances"]
     off = r["arms"]["tiers_25_int8@skewed_norebal"]
     assert off["rebalance"] == {} and off["config"]["tiers"]["rebalance"]["every_tokens"] == 0
     # each timed prefill's notes, the warm-up's left out: what it queued adds up to what the arm moved
@@ -238,6 +250,13 @@ def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path
     assert len(a["decode_ms_per_rep"]) == len(a["paired_decode_ms_per_rep"]) == 2
     assert statistics.mean(a["decode_ms_per_rep"]) == pytest.approx(a["decode_ms_per_token"])
     assert statistics.mean(a["paired_decode_ms_per_rep"]) == pytest.approx(a["paired_all_gpu_ms_per_token"])
+    # and each repetition's bytes, whose mean is the arm's bytes per token
+    per_rep = a["bytes_moved_per_rep"]
+    assert len(per_rep) == 2 and set(per_rep[0]) == set(a["bytes_moved_per_token"])
+    for k, v in a["bytes_moved_per_token"].items():
+        assert max(0.0, statistics.mean(r[k] for r in per_rep)) == pytest.approx(v)
+    assert sum(a["bytes_moved_per_token"].values()) > 0
+    assert "rebalance_per_rep" not in a  # no rebalancer in this arm
 
 
 def test_paired_timings_alternate_the_arm_and_its_pair():
