@@ -243,9 +243,13 @@ def run(args) -> dict:
         gen = lambda n: m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
         pgen = lambda n: paired.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
         gen(args.warmup_tokens)  # warm-up: kernels, caches, and (skewed arms) the rebalancer's first rounds
+        settling: list[int] = []  # hot promotions per warm-up generate: whether the hot set had settled
         if name.endswith("@skewed"):  # the rebalancer's own warm-up, so the timed repetitions see a settled hot set
             for n in rebalance_warmup_generates(args.rebalance_warmup):
+                before = mgr.rebalancer.report() if mgr.rebalancer is not None else {}
                 gen(n)
+                if mgr.rebalancer is not None:
+                    settling.append(counter_deltas(before, mgr.rebalancer.report())["promoted_hot"])
         gen(1)
         with routed(paired, name):
             pgen(args.warmup_tokens)
@@ -329,6 +333,7 @@ def run(args) -> dict:
         }
         if mgr.rebalancer is not None:
             extra["rebalance_per_rep"] = rebalanced
+            extra["rebalance_warmup_promoted_hot"] = settling
         if stepped is not None:
             extra["interleaved"] = stepped
         if device.type == "cuda":

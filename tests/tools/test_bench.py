@@ -145,6 +145,7 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     # one 5-token generate, rebalancing every 2 tokens: at most 5 // 2 + 1 rounds (the prompt's forward
     # may close one), none of the warm-up's or earlier repetitions' rounds
     assert 0 < rep["rebalances"] <= 5 // 2 + 1 < t["rebalance"]["rebalances"]
+    assert t["rebalance_warmup_promoted_hot"] == []  # no --rebalance-warmup
     off = r["arms"]["tiers_25_int8@skewed_norebal"]
     assert off["rebalance"] == {} and off["config"]["tiers"]["rebalance"]["every_tokens"] == 0
     # each timed prefill's notes, the warm-up's left out: what it queued adds up to what the arm moved
@@ -298,6 +299,13 @@ def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monke
         first_timed = tiers_calls.index(1)
         extra = tiers_calls[tiers_calls.index(5) + 1 : first_timed]
         assert extra == ([64, 64, 22] if arm.endswith("@skewed") else []), (arm, tiers_calls)
+        row = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"][arm]
+        if arm.endswith("@skewed"):  # hot promotions per warm-up generate, each a share of the arm's
+            settling = row["rebalance_warmup_promoted_hot"]
+            assert len(settling) == 3 and all(n >= 0 for n in settling)
+            assert 0 < sum(settling) <= row["rebalance"]["promoted_hot"]
+        else:
+            assert "rebalance_warmup_promoted_hot" not in row
         assert 150 not in [n for who, n in calls if who == "gpu"] and 64 not in [n for who, n in calls if who == "gpu"]
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--rebalance-warmup", "-1", "--out", str(tmp_path)])
