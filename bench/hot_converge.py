@@ -1,12 +1,13 @@
 """How fast and how close the rebalancer brings the hot set to a skewed trace's popular experts.
 
     python bench/hot_converge.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
-                                 [--fractions 0.25,0.5] [--configs 2:4:0,auto:64] [--generates 24]
+                                 [--fractions 0.25,0.5] [--configs 2:4:0,auto:64,8:64:3:8] [--generates 24]
                                  [--tokens 33] [--every 8] --out FILE
 
-For each GPU fraction and each config ``BUFFERS:WINDOW[:SIGNIFICANCE]`` (``BUFFERS``: promotion
-buffers, a number or ``auto`` for the library's own count; ``WINDOW``: ``tiers.rebalance.window``;
-``SIGNIFICANCE``: ``tiers.rebalance.significance``, the library's default when left out), this
+For each GPU fraction and each config ``BUFFERS:WINDOW[:SIGNIFICANCE[:MAX_MOVES]]`` (``BUFFERS``:
+promotion buffers, a number or ``auto`` for the library's own count; ``WINDOW``:
+``tiers.rebalance.window``; ``SIGNIFICANCE``: ``tiers.rebalance.significance`` and ``MAX_MOVES``:
+``tiers.rebalance.max_moves``, the library's defaults when left out), this
 loads a model of the given layer and expert counts (tiny hidden sizes: the plan does not depend
 on them) with the rebalancer on every ``--every`` tokens, routes ``--generates`` generates of
 ``--tokens`` tokens by the bench's skewed trace, and records after each generate: the hot
@@ -29,23 +30,24 @@ import json  # noqa: E402
 import torch  # noqa: E402
 
 
-def parse_configs(text: str) -> list[tuple[int | None, int, float | None]]:
-    """``BUFFERS:WINDOW[:SIGNIFICANCE],...`` as (buffers or None for ``auto``, window, significance
-    or None for the default); refuses anything else."""
+def parse_configs(text: str) -> list[tuple[int | None, int, float | None, int | None]]:
+    """``BUFFERS:WINDOW[:SIGNIFICANCE[:MAX_MOVES]],...`` as (buffers or None for ``auto``, window,
+    significance and max_moves or None for the defaults); refuses anything else."""
     out = []
     for item in text.split(","):
         parts = item.split(":")
-        if len(parts) not in (2, 3):
-            raise SystemExit(f"--configs: {item!r} is not BUFFERS:WINDOW[:SIGNIFICANCE]")
+        if len(parts) not in (2, 3, 4):
+            raise SystemExit(f"--configs: {item!r} is not BUFFERS:WINDOW[:SIGNIFICANCE[:MAX_MOVES]]")
         try:
             n = None if parts[0] == "auto" else int(parts[0])
             w = int(parts[1])
-            z = float(parts[2]) if len(parts) == 3 else None
+            z = float(parts[2]) if len(parts) >= 3 else None
+            moves = int(parts[3]) if len(parts) == 4 else None
         except ValueError:
-            raise SystemExit(f"--configs: {item!r}: BUFFERS is a number or 'auto', WINDOW and SIGNIFICANCE numbers") from None
-        if (n is not None and n < 1) or w < 1 or (z is not None and z < 0):
-            raise SystemExit(f"--configs: {item!r}: BUFFERS and WINDOW must be at least 1, SIGNIFICANCE at least 0")
-        out.append((n, w, z))
+            raise SystemExit(f"--configs: {item!r}: BUFFERS is a number or 'auto', WINDOW, SIGNIFICANCE and MAX_MOVES numbers") from None
+        if (n is not None and n < 1) or w < 1 or (z is not None and z < 0) or (moves is not None and moves < 1):
+            raise SystemExit(f"--configs: {item!r}: BUFFERS, WINDOW and MAX_MOVES must be at least 1, SIGNIFICANCE at least 0")
+        out.append((n, w, z, moves))
     return out
 
 
@@ -60,15 +62,16 @@ def coverage(table, popularity: torch.Tensor, layers: list[int]) -> tuple[float,
     return got / len(layers), best / len(layers)
 
 
-def converge(packed, budget: int, fraction: float, buffers: int | None, window: int, significance: float | None = None, *,
-             every: int, generates: int, tokens: int, vocab: int, device: torch.device) -> dict:
+def converge(packed, budget: int, fraction: float, buffers: int | None, window: int, significance: float | None = None,
+             max_moves: int | None = None, *, every: int, generates: int, tokens: int, vocab: int, device: torch.device) -> dict:
     import tiers
     from tiers.integration import manager_of
     from tiers.rebalance import Rebalancer
     from tools.routing import TraceRouting
 
     cfg = {"tiers": {"gpu": {"fraction": fraction}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
-                     "rebalance": {"every_tokens": every, "window": window} | ({} if significance is None else {"significance": significance})}}
+                     "rebalance": {"every_tokens": every, "window": window} | ({} if significance is None else {"significance": significance})
+                     | ({} if max_moves is None else {"max_moves": max_moves})}}
     count = Rebalancer.buffer_count
     if buffers is not None:
         Rebalancer.buffer_count = classmethod(lambda cls, manifest, cfg: buffers)
@@ -79,7 +82,8 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
     mgr = manager_of(m)
     prompt = torch.randint(0, vocab, (1, 16), generator=torch.Generator().manual_seed(1)).to(device)
     kw = dict(do_sample=False, pad_token_id=0, max_new_tokens=tokens, min_new_tokens=tokens)
-    row = {"buffers": len(mgr.rebalancer.buffers), "window": window, "significance": mgr.cfg.rebalance.significance, "generates": []}
+    row = {"buffers": len(mgr.rebalancer.buffers), "window": window, "significance": mgr.cfg.rebalance.significance,
+           "max_moves": mgr.cfg.rebalance.max_moves, "generates": []}
     with TraceRouting(m, tokens=4096) as trace:
         popularity = trace.popularity()
         row["coverage_at_load"], row["best_coverage"] = coverage(mgr.table, popularity, trace.layers)
@@ -100,7 +104,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_counts_args(ap, generates=24)
-    ap.add_argument("--configs", default="2:4:0,auto:64", help="BUFFERS:WINDOW[:SIGNIFICANCE],... (BUFFERS a number or 'auto')")
+    ap.add_argument("--configs", default="2:4:0,auto:64", help="BUFFERS:WINDOW[:SIGNIFICANCE[:MAX_MOVES]],... (BUFFERS a number or 'auto')")
     args = ap.parse_args()
     fractions = fractions_of(args.fractions)
     configs = parse_configs(args.configs)
@@ -109,8 +113,8 @@ def main() -> int:
     result = {"command": "python bench/hot_converge.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
               "every_tokens": args.every, "tokens_per_generate": args.tokens, "runs": []}
     for f in fractions:
-        for (buffers, window, significance), spec in zip(configs, args.configs.split(",")):
-            row = converge(packed, budget, f, buffers, window, significance, every=args.every, generates=args.generates,
+        for (buffers, window, significance, max_moves), spec in zip(configs, args.configs.split(",")):
+            row = converge(packed, budget, f, buffers, window, significance, max_moves, every=args.every, generates=args.generates,
                            tokens=args.tokens, vocab=shape["vocab_size"], device=device)
             row = {"fraction": f, "config": spec} | row
             result["runs"].append(row)

@@ -68,7 +68,7 @@ class NvmeTier:
 class Rebalance:
     every_tokens: int = 0  # re-count routing and rebalance the tiers every this many tokens; 0: off
     window: int = 64  # the frequency is counted over the last ``window`` intervals of every_tokens
-    max_moves: int = 4  # experts promoted per rebalance, at most (each tier)
+    max_moves: int = 8  # experts promoted per rebalance, at most (each tier); bounds how fast the tiers settle, not the churn once settled
     margin: float = 0.25  # a newcomer must be used this much more often than the expert it replaces
     significance: float = 3.0  # ... and by this many standard deviations of the difference of two Poisson counts
     across_layers: bool = False  # a hot newcomer may replace another layer's expert (its layer's hot slots then scatter)

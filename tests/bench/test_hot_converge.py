@@ -33,8 +33,8 @@ def test_coverage_is_the_popularity_the_hot_experts_hold_against_the_best_as_man
 
 
 def test_configs_parse_and_refuse_what_they_cannot_read():
-    assert hot_converge.parse_configs("auto:16,2:4:0.5") == [(None, 16, None), (2, 4, 0.5)]
-    for bad in ("auto", "x:4", "2:y", "0:4", "2:0", "2:4:z", "2:4:-1", "2:4:1:1"):
+    assert hot_converge.parse_configs("auto:16,2:4:0.5,8:64:3:8") == [(None, 16, None, None), (2, 4, 0.5, None), (8, 64, 3.0, 8)]
+    for bad in ("auto", "x:4", "2:y", "0:4", "2:0", "2:4:z", "2:4:-1", "2:4:1:0", "2:4:1:x", "2:4:1:1:1"):
         with pytest.raises(SystemExit, match="--configs"):
             hot_converge.parse_configs(bad)
 
@@ -48,14 +48,14 @@ def test_a_tiny_run_records_each_generate_and_the_buffers_it_asked_for(packed_fa
 
     packed = packed_factory("qwen3_moe")
     kw = dict(every=2, generates=2, tokens=5, vocab=256, device=torch.device("cpu"))
-    forced = hot_converge.converge(packed, 1 << 26, 0.5, 3, 2, 0.5, **kw)
-    assert forced["buffers"] == 3 and forced["significance"] == 0.5 and len(forced["generates"]) == 2
+    forced = hot_converge.converge(packed, 1 << 26, 0.5, 3, 2, 0.5, 6, **kw)
+    assert forced["buffers"] == 3 and forced["significance"] == 0.5 and forced["max_moves"] == 6 and len(forced["generates"]) == 2
     auto = hot_converge.converge(packed, 1 << 26, 0.5, None, 2, **kw)
     from loader.packed import read_manifest
 
     cfg = load_config({"tiers": {"gpu": {"fraction": 0.5}, "rebalance": {"every_tokens": 2}}})
     assert auto["buffers"] == Rebalancer.buffer_count(read_manifest(packed), cfg)
-    assert auto["significance"] == cfg.rebalance.significance
+    assert auto["significance"] == cfg.rebalance.significance and auto["max_moves"] == cfg.rebalance.max_moves
     for row in (forced, auto):
         assert 0 < row["best_coverage"] <= 1 + 1e-9
         for g in row["generates"]:
