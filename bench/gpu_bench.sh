@@ -2,7 +2,7 @@
 # The benchmark runs behind bench/results, on a CUDA machine; results go to ${OUT:-gpu-out}/results.
 # Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call)
 # Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
-# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run53.md, -mixtral-run40.md).
+# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run55.md, -mixtral-run40.md).
 set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
@@ -14,10 +14,10 @@ for model in ${1:-all}; do
   case $model in all) models="mixtral qwen3_moe" ;; *) models=$model ;; esac
   for m in $models; do
     case $m in
-      # Qwen3: decode ~16 ms/token, six repetitions fit; the rebalancer's hot set at 25% was still
-      # promoting at its cap (16 per 33 tokens) for 128 tokens after a warm-up of 256
-      # (bench-qwen3_moe-rebalance-settling.json), so the warm-up is 768, and the 0% arm is left out
-      # to make room for it
+      # Qwen3: decode ~16 ms/token, six repetitions fit. The rebalancer's warm-up is 768 tokens: at 4
+      # moves a round the 25% hot set still promoted at that cap 128 tokens after a warm-up of 256
+      # (bench-qwen3_moe-rebalance-settling.json) and settled after about 450 (run 53); at 8, the
+      # default since, after about 250 (runs 54 and 55). The 0% arm is left out to make room
       qwen3_moe) flags="--tokens 32 --reps 6 --rebalance-warmup 768" run_arms=${arms/,tiers_0_int8/} ;;
       *) flags="--tokens 16 --reps 2 --rebalance-warmup 128" run_arms=$arms ;;  # Mixtral's slow arms take most of the call
     esac
