@@ -2,7 +2,7 @@
 
     python bench/hot_converge.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
                                  [--fractions 0.25,0.5] [--configs 2:4:0,auto:64,8:64:3:8] [--generates 24]
-                                 [--tokens 33] [--every 8] --out FILE
+                                 [--tokens 33] [--every 8] [--reload N] --out FILE
 
 For each GPU fraction and each config ``BUFFERS:WINDOW[:SIGNIFICANCE[:MAX_MOVES]]`` (``BUFFERS``:
 promotion buffers, a number or ``auto`` for the library's own count; ``WINDOW``:
@@ -15,6 +15,11 @@ set's *coverage* (the mean over layers of the trace's popularity its hot experts
 every pick hot), the promotions that generate made, and its hit rate (hot experts and the
 staging cache, as served on the CPU). ``best_coverage`` is the most a hot set of the same count
 per layer can hold: each layer's most popular experts.
+
+``--reload N``: after the generates, save the routing the rebalancer counted
+(``tiers.save_routing``), load a fresh model with it (``tiers.load(..., routing=)``) and record
+its coverage at load and over N generates (``reloaded``): how much of the settling a routing file
+saves a new process.
 
 Runs on the CPU unless ``--device cuda``: the plan is the same, only the decode path differs.
 """
@@ -63,7 +68,8 @@ def coverage(table, popularity: torch.Tensor, layers: list[int]) -> tuple[float,
 
 
 def converge(packed, budget: int, fraction: float, buffers: int | None, window: int, significance: float | None = None,
-             max_moves: int | None = None, *, every: int, generates: int, tokens: int, vocab: int, device: torch.device) -> dict:
+             max_moves: int | None = None, *, every: int, generates: int, tokens: int, vocab: int, device: torch.device,
+             routing=None, reload: int = 0) -> dict:
     import tiers
     from tiers.integration import manager_of
     from tiers.rebalance import Rebalancer
@@ -76,7 +82,7 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
     if buffers is not None:
         Rebalancer.buffer_count = classmethod(lambda cls, manifest, cfg: buffers)
     try:
-        m = tiers.load(packed, cfg, device=device, progress=False)
+        m = tiers.load(packed, cfg, device=device, progress=False, routing=routing)
     finally:
         Rebalancer.buffer_count = count
     mgr = manager_of(m)
@@ -95,6 +101,13 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
                                      "promoted_hot": mgr.rebalancer.counts["promoted_hot"] - before,
                                      "hit_rate": mgr.stats().gpu_hit_rate})
     row["rebalancer"] = mgr.rebalancer.report()
+    if reload:  # a new process that starts from the routing this one counted
+        doc = tiers.routing_counts(m)
+        mgr.close()
+        again = converge(packed, budget, fraction, buffers, window, significance, max_moves, every=every, generates=reload,
+                         tokens=tokens, vocab=vocab, device=device, routing=doc)
+        row["reloaded"] = {"routing_tokens": doc["tokens"], "coverage_at_load": again["coverage_at_load"], "generates": again["generates"]}
+        return row
     mgr.close()
     return row
 
@@ -105,6 +118,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_counts_args(ap, generates=24)
     ap.add_argument("--configs", default="2:4:0,auto:64", help="BUFFERS:WINDOW[:SIGNIFICANCE[:MAX_MOVES]],... (BUFFERS a number or 'auto')")
+    ap.add_argument("--reload", type=int, default=0, metavar="N",
+                    help="then load again from the routing counted (tiers.save_routing) and record N generates")
     args = ap.parse_args()
     fractions = fractions_of(args.fractions)
     configs = parse_configs(args.configs)
@@ -115,13 +130,15 @@ def main() -> int:
     for f in fractions:
         for (buffers, window, significance, max_moves), spec in zip(configs, args.configs.split(",")):
             row = converge(packed, budget, f, buffers, window, significance, max_moves, every=args.every, generates=args.generates,
-                           tokens=args.tokens, vocab=shape["vocab_size"], device=device)
+                           tokens=args.tokens, vocab=shape["vocab_size"], device=device, reload=args.reload)
             row = {"fraction": f, "config": spec} | row
             result["runs"].append(row)
             last = row["generates"][-1]
             print(f, row["config"], json.dumps({"buffers": row["buffers"], "best": round(row["best_coverage"], 3),
                                                 "coverage": [round(g["coverage"], 3) for g in row["generates"]],
-                                                "last_hit_rate": round(last["hit_rate"], 3)}), flush=True)
+                                                "last_hit_rate": round(last["hit_rate"], 3)}
+                                               | ({"reloaded_at_load": round(row["reloaded"]["coverage_at_load"], 3)} if "reloaded" in row else {})),
+                  flush=True)
     write_result(args.out, result)
     return 0
 

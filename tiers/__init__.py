@@ -3,10 +3,11 @@
     model = tiers.load("packed/", config="tiers.yaml")
     model.generate(...)
     print(tiers.stats(model))
+    tiers.save_routing(model, "routing.json")  # with the rebalancer on; load(..., routing=) starts from it
 """
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
-from tiers.integration import load, stats
+from tiers.integration import load, routing_counts, save_routing, stats
 from tiers.stats import TierStats
 
-__all__ = ["IntegrityError", "TierStats", "TiersConfig", "load", "load_config", "stats"]
+__all__ = ["IntegrityError", "TierStats", "TiersConfig", "load", "load_config", "routing_counts", "save_routing", "stats"]

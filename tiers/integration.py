@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from loader.skeleton import build_skeleton
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
 from tiers.engine import Streams, TierManager
-from tiers.policy import plan_placement
+from tiers.policy import plan_placement, read_routing, routing_document, write_routing
 from tiers.stats import TierStats
 
 IMPLEMENTATION = "tiers"  # eager: the per-expert loop, bit-identical to transformers' eager experts
@@ -789,16 +788,19 @@ def load(
     verify: str = "first",
     progress: bool = True,
     streams: Streams | None = None,
+    routing: str | Path | dict | None = None,
 ) -> PreTrainedModel:
     """Load a packed checkpoint as a transformers model whose experts are served from the tiers.
 
     ``config`` is a YAML path, a parsed dict, a ``TiersConfig`` or None (defaults: gpu 25%,
     cpu 50% as int8, the rest int8 on disk). ``device`` defaults to cuda when available.
+    ``routing``: a routing file written by ``save_routing`` (or its parsed document); the hot and
+    warm sets then start as the experts it counts most, instead of round-robin over layers.
     """
     cfg = load_config(config)
     manifest = read_manifest(path)
     dev = _resolve_device(device)
-    placement = plan_placement(cfg, manifest)
+    placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
     if not (manifest.root / "config.json").is_file():
         raise ValueError(f"packed checkpoint {str(manifest.root)!r} has no config.json; re-pack it from a save_pretrained directory")
     hf_config = AutoConfig.from_pretrained(manifest.root)
@@ -877,3 +879,23 @@ def manager_of(model: torch.nn.Module) -> TierManager:
 def stats(model: torch.nn.Module) -> TierStats:
     """Hits and misses per tier, bytes moved per source tier, copy and stall time, residency."""
     return manager_of(model).stats()
+
+
+def routing_counts(model: torch.nn.Module) -> dict:
+    """The routing the rebalancer has counted (its window: the last ``window`` × ``every_tokens``
+    tokens), as a routing document for ``save_routing`` or ``load(..., routing=)``. Routing is
+    counted only with the rebalancer on (``tiers.rebalance.every_tokens`` > 0)."""
+    manager = manager_of(model)
+    if manager.rebalancer is None:
+        raise ValueError("routing_counts: this model counts no routing; load it with tiers.rebalance.every_tokens > 0 "
+                         "(and a gpu budget below every expert's bytes) to count it")
+    manager.settle()  # whole-layer calls not yet counted count now
+    counts, tokens = manager.rebalancer.routing_counts()
+    return routing_document(counts, tokens)
+
+
+def save_routing(model: torch.nn.Module, path: str | Path) -> Path:
+    """Write the routing the model has counted (``routing_counts``) to ``path`` as JSON, so that a
+    later ``load(..., routing=path)`` starts with the hot and warm sets it would have settled on.
+    The file is replaced whole or not at all."""
+    return write_routing(routing_counts(model), path)

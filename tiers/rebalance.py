@@ -52,6 +52,7 @@ class RoutingWindow:
         self.grid = grid
         self.every = every_tokens
         self.intervals: deque[np.ndarray] = deque([np.zeros(grid.size, dtype=np.int64)], maxlen=window)
+        self.spans: deque[int] = deque([0], maxlen=window)  # tokens counted in each interval (a long call overfills one)
         self.closed = np.zeros(grid.size, dtype=np.int64)  # the sum of every interval but the open one (the last)
         self.tokens = 0
 
@@ -72,6 +73,7 @@ class RoutingWindow:
         """Count ``n`` tokens. When that closes an interval: the window's frequency (and a new
         interval opens, the oldest dropping out); otherwise None."""
         self.tokens += n
+        self.spans[-1] += n
         if self.tokens < self.every:
             return None
         self.tokens = 0
@@ -80,6 +82,7 @@ class RoutingWindow:
         if len(self.intervals) == self.intervals.maxlen:  # the oldest falls out as the new one opens
             self.closed -= self.intervals[0]
         self.intervals.append(np.zeros(self.grid.size, dtype=np.int64))
+        self.spans.append(0)
         return freq
 
 
@@ -557,6 +560,17 @@ class Rebalancer:
                 mgr.table.apply(coldest, Op.COOL)
         self.counts["promoted_hot"] += 1
         return True
+
+    def routing_counts(self) -> tuple[dict[int, list[int]], int]:
+        """Lookups per expert over the window so far (direct decode's device counts taken in), per
+        layer the rebalancer counts (static layers are not counted), and the tokens they span."""
+        usage = self.mgr.take_direct_usage()
+        if usage is not None:
+            self.window.add(usage)
+        freq, g = self.window.frequency(), self.grid
+        layers = [L for L in g.layers if self.movable(L)]
+        counts = {L: freq[g.row[L] * g.width : g.row[L] * g.width + g.experts[L]].tolist() for L in layers}
+        return counts, sum(self.window.spans)
 
     def report(self) -> dict[str, int]:
         return dict(self.counts) | {"in_flight": len(self.hot_reads) + len(self.warm_reads)}

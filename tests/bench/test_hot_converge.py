@@ -61,3 +61,15 @@ def test_a_tiny_run_records_each_generate_and_the_buffers_it_asked_for(packed_fa
         for g in row["generates"]:
             assert 0 <= g["coverage"] <= row["best_coverage"] + 1e-9 and 0 <= g["hit_rate"] <= 1 and g["promoted_hot"] >= 0
     assert auto["buffers"] != 3, "the forced count leaked into the next load"
+
+
+def test_reload_starts_a_new_load_from_the_routing_counted(packed_factory):
+    """``--reload 1``: the routing the run counted ranks a fresh load, whose coverage at load and
+    over one generate are recorded beside the run's."""
+    packed = packed_factory("qwen3_moe")
+    kw = dict(every=2, generates=2, tokens=5, vocab=256, device=torch.device("cpu"))
+    row = hot_converge.converge(packed, 1 << 26, 0.5, None, 4, 0.0, None, reload=1, **kw)
+    again = row["reloaded"]
+    assert again["routing_tokens"] > 0 and len(again["generates"]) == 1
+    assert 0 <= again["coverage_at_load"] <= row["best_coverage"] + 1e-9
+    assert "reloaded" not in hot_converge.converge(packed, 1 << 26, 0.5, None, 4, **kw)
