@@ -15,7 +15,10 @@ layers, by default), saves and packs it, then measures each arm in one run:
   timed over at least ``STATIC_ARM_REPS`` repetitions, since it differs from all-GPU by less than
   the host's drift across two;
 - ``<arm>@skewed``: the same arm routed by a skewed, sticky trace (``tools.routing``), with the
-  rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off.
+  rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off;
+  ``<tiers arm>@skewed_routed``: the rebalancer on, loaded with the routing its ``@skewed`` arm
+  counted (``tiers.load(..., routing=)``; that arm must come earlier in ``--arms``) and timed
+  without the rebalancer's warm-up: what a routing file saves a new process.
 
 Per arm: decode ms/token and tok/s at batch 1 (Tiers arms also against an all-GPU measurement of
 the same routing, its repetitions interleaved with theirs; each repetition's pair of decodes is in
@@ -211,11 +214,13 @@ def run(args) -> dict:
     again = [name for name in ("all_gpu", "all_gpu@skewed") if name in arms]
     paired = build(args.model, shape, device) if tiers_arms or again else None
 
+    counted: dict[str, dict] = {}  # a rebalancing @skewed arm's counted routing, for its @skewed_routed arm
+
     def tiers_arm(cfg, name):
         # the arm's own GPU memory: the paired all-GPU model stays allocated beside it
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         t0 = time.perf_counter()
-        m = tiers.load(packed, cfg, device=device, progress=False)
+        m = tiers.load(packed, cfg, device=device, progress=False, routing=counted.get(routing_source(name)))
         load_s = time.perf_counter() - t0
         with routed(m, name):
             return tiers_measure(m, load_s, resident, name)
@@ -229,7 +234,7 @@ def run(args) -> dict:
             arm_s, pair_s = interleaved_decode([m, paired], prompt, n, device, on_start=mgr.reset_stats, usage=usage)
         moved = {k: v / n for k, v in mgr.stats().bytes_moved.items()}
         diffs = [(a - b) * 1e3 for a, b in zip(arm_s, pair_s)]
-        block = args.rebalance_every if name.endswith("@skewed") and args.rebalance_every > 0 else INTERLEAVE_BLOCK
+        block = args.rebalance_every if rebalances(name) and args.rebalance_every > 0 else INTERLEAVE_BLOCK
         return {"tokens": n, "block": block, "arm_ms_per_token": statistics.fmean(arm_s) * 1e3,
                 "pair_ms_per_token": statistics.fmean(pair_s) * 1e3, "overhead_ms_per_token": statistics.fmean(diffs),
                 "block_overhead_ms_per_token": statistics.median(block_means(diffs, block)), "bytes_moved_per_token": moved,
@@ -334,6 +339,8 @@ def run(args) -> dict:
         if mgr.rebalancer is not None:
             extra["rebalance_per_rep"] = rebalanced
             extra["rebalance_warmup_promoted_hot"] = settling
+        if routing_source(name):
+            extra["routing_from"] = {"arm": routing_source(name), "tokens": counted[routing_source(name)]["tokens"]}
         if stepped is not None:
             extra["interleaved"] = stepped
         if device.type == "cuda":
@@ -374,6 +381,8 @@ def run(args) -> dict:
         if args.prefill_marks:  # after the timed prefills: where each marked one's time goes (tools.timeline)
             extra["prefill_marks"] = [marked_prefill(m, mgr, prefill_ids) for _ in range(args.prefill_marks)]
         row = {"decode_ms_per_token": decode_ms, "decode_tok_s": 1e3 / decode_ms, "paired_all_gpu_ms_per_token": paired_decode_ms, **extra}
+        if name.endswith("@skewed") and mgr.rebalancer is not None and name + "_routed" in arms:
+            counted[name] = tiers.routing_counts(m)
         mgr.close()
         return row
 
@@ -392,7 +401,7 @@ def run(args) -> dict:
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
                          # the rebalancer follows skewed routing; under uniform routing it has nothing to
                          # learn, and those arms keep the YAML default (off)
-                         "rebalance": {"every_tokens": args.rebalance_every if name.endswith("@skewed") else 0}}}
+                         "rebalance": {"every_tokens": args.rebalance_every if rebalances(name) else 0}}}
         try:
             row = tiers_arm(cfg, name)
         except Exception as e:
@@ -564,6 +573,16 @@ def interleaved_bounds(row: dict) -> None:
 REBALANCE_WARMUP_GENERATE = 64  # tokens per generate of the rebalancer's warm-up, at most (a short KV cache)
 
 
+def rebalances(name: str) -> bool:
+    """Whether a Tiers arm runs the rebalancer: ``@skewed`` and ``@skewed_routed`` ones."""
+    return name.endswith(("@skewed", "@skewed_routed"))
+
+
+def routing_source(name: str) -> str | None:
+    """The arm whose counted routing a ``@skewed_routed`` arm loads with; None for other arms."""
+    return name[: -len("_routed")] if name.endswith("@skewed_routed") else None
+
+
 def counter_deltas(before: dict, after: dict, gauges: tuple[str, ...] = ()) -> dict:
     """``after`` less ``before``, for the counters of a report such as the rebalancer's: its int
     entries other than ``gauges`` (values that are a state, not a count)."""
@@ -690,7 +709,7 @@ def markdown(r: dict) -> str:
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
              f"Command: `{r['command']}`", "",
              f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; "
-             f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']} (Tiers with the rebalancer on; `_norebal`: off).", "",
+             f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']} (Tiers with the rebalancer on; `_norebal`: off; `_routed`: on, loaded with the routing its `@skewed` arm counted, no rebalancer warm-up).", "",
              *attention_warmup_lines(r.get("attention_warmup")),
              "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | paired all-GPU ms/token (ratio; overhead / bytes) "
              "| prefill s | prefill / bound (paired) | MiB moved/token (cpu, nvme, rebalance) "
@@ -899,6 +918,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rebalance-warmup: expected a token count >= 0, got {args.rebalance_warmup}")
     if args.cold_read_gb and not 1 <= args.cold_read_rounds <= 64:  # refused now, not after the arms have run
         ap.error(f"--cold-read-rounds: expected an integer in [1, 64], got {args.cold_read_rounds}")
+    listed = args.arms.split(",") if args.arms != "all" else []
+    for i, name in enumerate(listed):  # a routed arm loads what its @skewed arm counted: that arm runs first
+        source = routing_source(name)
+        if source is not None and not name.startswith("tiers_"):
+            ap.error(f"--arms: {name}: only Tiers arms load a routing file")
+        if source is not None and source not in listed[:i]:
+            ap.error(f"--arms: {name} loads the routing that {source} counted; list {source} before it")
     from tiers.engine import TierManager
 
     bound = TierManager.DECODE_BYTES

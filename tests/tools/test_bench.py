@@ -499,3 +499,39 @@ def test_prefill_notes_tell_waiting_from_working_and_see_other_threads_work():
     (a,), (b,) = slept.rows, spun.rows
     assert a["host_s"] >= 0.2 and a["host_cpu_s"] < 0.05 and a["others_cpu_s"] < 0.05
     assert b["host_s"] >= 0.2 and b["host_cpu_s"] < 0.05 and b["others_cpu_s"] >= 0.15
+
+
+def test_a_routed_arm_loads_what_its_skewed_arm_counted(tmp_path, monkeypatch):
+    """``@skewed_routed``: loaded with the routing document its ``@skewed`` arm counted at its end,
+    the rebalancer on, and no rebalancer warm-up before its timed repetitions."""
+    import tiers as tiers_pkg
+
+    loads = []
+    load = tiers_pkg.load
+
+    def spy(path, cfg, **kw):
+        loads.append(kw.get("routing"))
+        return load(path, cfg, **kw)
+
+    monkeypatch.setattr(tiers_pkg, "load", spy)
+    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5",
+                     "--rebalance-every", "2", "--rebalance-warmup", "64", "--interleave", "0",
+                     "--arms", "tiers_25_int8@skewed,tiers_25_int8@skewed_routed", "--out", str(tmp_path)])
+    assert rc == 0
+    assert len(loads) == 2 and loads[0] is None
+    doc = loads[1]
+    assert doc["format"] == "tiers-routing" and doc["tokens"] > 64  # the warm-up's tokens and more
+    arms = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]
+    routed, skewed = arms["tiers_25_int8@skewed_routed"], arms["tiers_25_int8@skewed"]
+    assert routed["routing_from"] == {"arm": "tiers_25_int8@skewed", "tokens": doc["tokens"]}
+    assert "routing_from" not in skewed
+    assert routed["config"]["tiers"]["rebalance"]["every_tokens"] == 2 and routed["rebalance"]["rebalances"] > 0
+    assert routed["rebalance_warmup_promoted_hot"] == [] and len(skewed["rebalance_warmup_promoted_hot"]) == 1
+
+
+@pytest.mark.parametrize("arms", ["tiers_25_int8@skewed_routed", "tiers_25_int8@skewed_routed,tiers_25_int8@skewed",
+                                  "tiers_50_int8@skewed,tiers_25_int8@skewed_routed", "all_gpu@skewed,all_gpu@skewed_routed"])
+def test_a_routed_arm_without_its_skewed_arm_before_it_is_refused(tmp_path, capsys, arms):
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--device", "cpu", "--arms", arms, "--out", str(tmp_path)])
+    assert "_routed" in capsys.readouterr().err
