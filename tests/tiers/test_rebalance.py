@@ -53,9 +53,10 @@ def test_window_counts_the_last_intervals_only():
 def test_window_frequency_is_the_sum_of_its_intervals(window, every, ops):
     """Random lookups and token counts: the window's frequency (and every frequency a closing
     interval returns) is the plain sum of the last ``window`` intervals, the open one included,
-    with no expert left at zero or below."""
+    with no expert left at zero or below; and the tokens it records are those those intervals
+    counted, a call that overfills an interval's every token of it included."""
     w = RoutingWindow(GRID, every_tokens=every, window=window)
-    intervals, tokens = [Counter()], 0
+    intervals, spans, tokens = [Counter()], [0], 0
     for experts, n in ops:
         keys = [K(0, e) for e in experts]
         w.count(keys)
@@ -63,14 +64,17 @@ def test_window_frequency_is_the_sum_of_its_intervals(window, every, ops):
         want = sum(intervals[-window:], Counter())
         got = w.add_tokens(n)
         tokens += n
+        spans[-1] += n
         if tokens >= every:
             tokens = 0
             assert GRID.counter(got) == want
             intervals.append(Counter())
+            spans.append(0)
         else:
             assert got is None
         assert GRID.counter(w.frequency()) == sum(intervals[-window:], Counter())
         assert (w.closed >= 0).all()
+        assert sum(w.spans) == sum(spans[-window:])
 
 
 # -- the plan ---------------------------------------------------------------------------------------
