@@ -251,10 +251,10 @@ def run(args) -> dict:
         settling: list[int] = []  # hot promotions per warm-up generate: whether the hot set had settled
         if name.endswith("@skewed"):  # the rebalancer's own warm-up, so the timed repetitions see a settled hot set
             for n in rebalance_warmup_generates(args.rebalance_warmup):
-                before = mgr.rebalancer.report() if mgr.rebalancer is not None else {}
+                before = rebalancer_counts(mgr)
                 gen(n)
                 if mgr.rebalancer is not None:
-                    settling.append(counter_deltas(before, mgr.rebalancer.report())["promoted_hot"])
+                    settling.append(rebalancer_change(mgr, before)["promoted_hot"])
         gen(1)
         with routed(paired, name):
             pgen(args.warmup_tokens)
@@ -268,7 +268,7 @@ def run(args) -> dict:
             for n in runs:
                 sync(device)
                 mgr.reset_stats()
-                before = mgr.rebalancer.report() if mgr.rebalancer is not None else {}
+                before = rebalancer_counts(mgr)
                 t0 = time.perf_counter()
                 gen(n)
                 sync(device)
@@ -276,7 +276,7 @@ def run(args) -> dict:
                 st = mgr.stats()
                 runs[n].append((elapsed, dict(st.bytes_moved) | {"_stall": st.stall_seconds}))
                 if n > 1:
-                    rebalanced.append(counter_deltas(before, st.rebalance, gauges=("in_flight",)))
+                    rebalanced.append(rebalancer_change(mgr, before))
                 graphs = st.graphs  # the last timed generate's decode graphs
             with routed(paired, name):
                 for n in paired_runs:
@@ -581,13 +581,6 @@ def rebalances(name: str) -> bool:
 def routing_source(name: str) -> str | None:
     """The arm whose counted routing a ``@skewed_routed`` arm loads with; None for other arms."""
     return name[: -len("_routed")] if name.endswith("@skewed_routed") else None
-
-
-def counter_deltas(before: dict, after: dict, gauges: tuple[str, ...] = ()) -> dict:
-    """``after`` less ``before``, for the counters of a report such as the rebalancer's: its int
-    entries other than ``gauges`` (values that are a state, not a count)."""
-    return {k: v - before.get(k, 0) for k, v in after.items()
-            if k not in gauges and isinstance(v, int) and not isinstance(v, bool)}
 
 
 def attention_warmup_tokens(args) -> int:

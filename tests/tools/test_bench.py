@@ -81,12 +81,6 @@ def test_decode_graphs_flag_reaches_the_tiers_arms(tmp_path):
     assert r["arms"]["tiers_25_int8"]["config"]["tiers"]["gpu"]["decode_graphs"] is False
 
 
-def test_counter_deltas_skip_gauges_and_non_counts():
-    before = {"rebalances": 3, "promoted_hot": 5, "in_flight": 2}
-    after = {"rebalances": 7, "promoted_hot": 5, "in_flight": 1, "new": 4, "flag": True, "rate": 0.5}
-    assert bench.counter_deltas(before, after, gauges=("in_flight",)) == {"rebalances": 4, "promoted_hot": 0, "new": 4}
-
-
 def test_rep_overhead_is_the_median_of_differences_within_repetitions():
     """Repetitions on a host whose speed changes: the median of the per-repetition differences
     keeps the arm's true 1 ms overhead, the difference of the medians does not."""
