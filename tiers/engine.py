@@ -46,6 +46,7 @@ from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
 from tiers.h2d import copy_batch
 from tiers.cache import LruSlots, make_cache
+from tiers import policy
 from tiers.policy import Placement
 from tiers.prefetch import Prefetcher
 from tiers.rebalance import Rebalancer
@@ -160,7 +161,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
     # tensor's dequantization follows a layer call's last copy (Mixtral-8x7B INT8: the down
     # projection, 0.25 of the 0.75 ms an expert takes to dequantize on an H200).
     STACK_EXPERTS = 4
-    STACK_BYTES = 32 << 20
+    STACK_BYTES = policy.STACK_BYTES  # the placement sizes the transit rows by the same bound
     STACK_VIEWS = 4096  # stacks' views kept at most (keyed by first row, first slot and length)
     # A layer call's cold misses are read together on the reader threads when their blobs are at
     # most this large. On the H200's disk (tools/coldread.py in bench/results/*-run6.md), 4.5 MiB
@@ -232,11 +233,13 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self.cache[id(pool)] = make_cache(cfg.gpu.cache, range(g.hot, g.n_slots), decay=cfg.gpu.lfu_decay, layers=g.layers,
                                               experts=layout.num_experts)
             self.hot_count[id(pool)] = g.hot
-            self.transit[id(pool)] = torch.empty((g.staging, g.transit_bytes), dtype=torch.uint8, device=device)
+            self.transit[id(pool)] = torch.empty((g.transit_rows, g.transit_bytes), dtype=torch.uint8, device=device)
             self.next_row[id(pool)] = 0
             lossy_bytes = max((manifest.layers[L].blobs[p].nbytes for L in g.layers for p in (cfg.cpu.precision, cfg.nvme.precision)
                                if not quant.get_scheme(p).lossless and p in manifest.layers[L].blobs), default=0)
-            self.stack_limit[id(pool)] = min(g.staging, self.STACK_EXPERTS) if lossy_bytes <= self.STACK_BYTES else 1
+            # a stack's copies take consecutive rows: only a row per staging slot stacks
+            stacks = lossy_bytes <= self.STACK_BYTES and g.transit_rows >= g.staging
+            self.stack_limit[id(pool)] = min(g.staging, self.STACK_EXPERTS) if stacks else 1
             for L in g.layers:
                 self.pool_of[L] = pool
             self.keys_of[id(pool)] = [k for k in manifest.keys if k.layer in g.layers]
@@ -588,7 +591,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             row = self.next_row[id(pool)]
             if g is not None and (g.precision != precision or row != g.row + len(g.slots) or len(g.slots) >= self.stack_limit[id(pool)]):
                 self._dequantize(b, b.groups.pop(id(pool)))  # the open stack cannot grow: dequantize it now
-            self.next_row[id(pool)] = (row + 1) % (pool.n_slots - self.hot_count[id(pool)])
+            self.next_row[id(pool)] = (row + 1) % len(self.transit[id(pool)])
             if self.stack_limit[id(pool)] < 2 and len(blob.shapes) > 1:
                 self._stage_by_tensor(b, pool, slot, blob, scheme, src, row)
                 return
@@ -648,7 +651,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         experts are placed in expert order, a row apart), then one stacked dequantization. For a
         streamed part, whose slots' last reads the copy stream already waits on."""
         pid, k = id(pool), len(slots)
-        rows_n = pool.n_slots - self.hot_count[pid]
+        rows_n = len(self.transit[pid])
         assert 0 < k <= rows_n, f"{k} copies for {rows_n} transit rows"
         row0 = self.next_row[pid] if self.next_row[pid] + k <= rows_n else 0
         self.next_row[pid] = (row0 + k) % rows_n

@@ -6,8 +6,10 @@ order (a routing file's counts when the load names one, else the manifest's rout
 present, else round-robin over layers so every layer gets an equal share), reading and checking
 routing files (``ROUTING_FORMAT``), and LRU choice among staging slots.
 
-Budget accounting on the GPU: ``budget >= hot slots + staging slots + staging transit buffers``,
-all in bytes; when every expert fits, no staging slot is reserved. A gpu ``fraction`` is of the
+Budget accounting on the GPU: ``budget >= hot slots + staging slots + transit rows``, all in
+bytes: a transit row per staging slot where lossy experts are small enough to stack
+(``STACK_BYTES``), else ``TRANSIT_RING`` rows at most; when every expert fits, no staging slot is
+reserved. A gpu ``fraction`` is of the
 bytes of all experts at compute precision (bf16); a cpu ``fraction`` is of the bytes of all
 experts at the cpu tier's precision (4 KiB aligned blobs).
 """
@@ -35,6 +37,7 @@ class GroupPlan:
     transit_bytes: int
     hot: int
     staging: int
+    transit_rows: int  # rows of transit_bytes the lossy copies land in, a ring (see STACK_BYTES)
 
     @property
     def n_slots(self) -> int:
@@ -53,7 +56,7 @@ class Placement:
     @property
     def gpu_bytes(self) -> int:
         """Slot memory plus transit buffers: what the gpu budget bounds."""
-        return sum(g.n_slots * g.slot_bytes + g.staging * g.transit_bytes for g in self.groups)
+        return sum(g.n_slots * g.slot_bytes + g.transit_rows * g.transit_bytes for g in self.groups)
 
 
 def preference_order(manifest: Manifest, routing: Mapping[int, Sequence[float]] | None = None) -> list[ExpertKey]:
@@ -168,6 +171,21 @@ AUTO_STAGING_PER_TOP_K = 2  # staging_slots: auto -> this many slots per routed 
 # up: on the H200, a Qwen3-30B-A3B prefill in INT8 parts of 8 experts (38 MB) left the copy engine
 # idle 1.0 ms per layer behind the host, in parts of 16 for 0.01 ms (prefill_split-*-whole32.json)
 AUTO_PART_BYTES = 64 << 20
+# Lossy experts at most this large in transfer form are dequantized in stacks, a stack's copies
+# landing in consecutive transit rows (so a pool keeps a row per staging slot); larger ones go up
+# and are dequantized one at a time, each dequantization overlapping the next copy, through a
+# ring of TRANSIT_RING rows: a copy into a row waits for the dequantization two back, which ends
+# long before (Mixtral-8x7B on the H200: 0.75 ms to dequantize an expert, 3.2 ms to copy it up).
+# The rows a ring saves hold hot experts instead: at 25% of Mixtral-8x7B's experts, 4 staging
+# slots with 4 rows left room for 9 hot experts, with 2 rows for 10.
+STACK_BYTES = 32 << 20
+TRANSIT_RING = 2
+
+
+def transit_rows(staging: int, lossy_nbytes: int) -> int:
+    """Transit rows a slot pool keeps for ``staging`` slots whose largest lossy blob (transfer
+    form) is ``lossy_nbytes`` bytes: one per slot where they stack, else a ring of ``TRANSIT_RING``."""
+    return staging if lossy_nbytes <= STACK_BYTES else min(staging, TRANSIT_RING)
 
 
 def top_k(manifest: Manifest) -> int:
@@ -210,10 +228,15 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
     for L, entry in manifest.layers.items():
         groups_by_sig.setdefault(entry.layout.signature, []).append(L)
 
-    def transit(L: int) -> int:
+    def lossy(L: int) -> list:
         blobs = manifest.layers[L].blobs
-        lossy = [blobs[p].stride for p in (cfg.cpu.precision, cfg.nvme.precision) if p in blobs and p != "bf16"]
-        return max(lossy, default=0)
+        return [blobs[p] for p in (cfg.cpu.precision, cfg.nvme.precision) if p in blobs and p != "bf16"]
+
+    def transit(L: int) -> int:
+        return max((b.stride for b in lossy(L)), default=0)
+
+    def rows(Ls: list[int], staging: int) -> int:
+        return transit_rows(staging, max((b.nbytes for L in Ls for b in lossy(L)), default=0))
 
     if gpu_budget >= total_compute:
         hot = list(order)
@@ -227,7 +250,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
             n_staging = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
             n_staging = max(1, min(n_staging, gpu_budget // per_slot // 2))
         staging = dict.fromkeys(groups_by_sig, n_staging)
-        reserved = n_staging * per_slot
+        reserved = sum(n_staging * slot_bytes[Ls[0]] + rows(Ls, n_staging) * transit(Ls[0]) for Ls in groups_by_sig.values())
         smallest = min(slot_bytes.values())
         if gpu_budget < smallest:
             raise ValueError(
@@ -267,6 +290,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
             transit_bytes=transit(Ls[0]) if staging[sig] else 0,
             hot=sum(1 for k in hot if k.layer in Ls),
             staging=staging[sig],
+            transit_rows=rows(Ls, staging[sig]),
         )
         for sig, Ls in groups_by_sig.items()
     )

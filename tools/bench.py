@@ -80,6 +80,7 @@ def run(args) -> dict:
     from tiers.cache import belady_hits, make_cache, replay
     from tiers.engine import TierManager
     from tiers.integration import manager_of
+    from tiers.policy import transit_rows
     from tiers.trace import TraceModel, lookups
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -393,9 +394,10 @@ def run(args) -> dict:
         gpu = {"fraction": frac, "staging_slots": slots}
         if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
             entry = next(iter(read_manifest(packed).layers.values()))
-            transit = entry.blobs[precision].stride if precision != "bf16" else 0
+            blob = entry.blobs[precision] if precision != "bf16" else None
             n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it may take more for a streamed part's bytes)
-            gpu = {"budget": n * (entry.layout.nbytes() + transit), "staging_slots": n}
+            rows = transit_rows(n, blob.nbytes) if blob else 0
+            gpu = {"budget": n * entry.layout.nbytes() + rows * (blob.stride if blob else 0), "staging_slots": n}
         cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth,
                                        "decode_graphs": args.decode_graphs == "on"},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},

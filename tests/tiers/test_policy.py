@@ -10,6 +10,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -39,6 +40,7 @@ class Facts:
     slot: int  # bytes of one expert at bf16
     stride: dict  # precision -> bytes one blob occupies (4 KiB aligned)
     top_k: int = 1  # experts routed per token, from the packed config.json
+    nbytes: dict = dataclasses.field(default_factory=dict)  # precision -> bytes of one blob (unaligned)
 
     @property
     def n(self) -> int:
@@ -56,7 +58,7 @@ class Facts:
 def facts(packed) -> Facts:
     raw = json.loads((packed / "manifest.json").read_text())
     precisions = tuple(raw["precisions"])
-    slots, strides, counts, sigs = set(), {}, set(), set()
+    slots, strides, sizes, counts, sigs = set(), {}, {}, set(), set()
     for entry in raw["layers"]:
         shapes = [tuple(t["shape"]) for t in entry["layout"]["tensors"]]
         sigs.add(tuple((t["name"], tuple(t["shape"])) for t in entry["layout"]["tensors"]))
@@ -66,11 +68,12 @@ def facts(packed) -> Facts:
             b = entry["blobs"][p]
             assert b["stride"] == -(-b["nbytes"] // 4096) * 4096 and b["stride"] % 4096 == 0
             assert strides.setdefault(p, b["stride"]) == b["stride"]
+            assert sizes.setdefault(p, b["nbytes"]) == b["nbytes"]
     # the tiny models have identical MoE layers: one slot group, one size; keep the arithmetic simple
     assert len(slots) == len(counts) == len(sigs) == 1
     hf = json.loads((packed / "config.json").read_text()) if (packed / "config.json").is_file() else {}
     return Facts(precisions, tuple(sorted(e["layer"] for e in raw["layers"])), counts.pop(), slots.pop(), strides,
-                 hf.get("num_experts_per_tok", 1))
+                 hf.get("num_experts_per_tok", 1), sizes)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Expected:
     cold: int = 0
     staging: int = 0
     transit: int = 0
+    rows: int = 0  # transit rows
     gpu_budget: int = 0
     cpu_budget: int = 0
     error: str | None = None  # a regex the ValueError must match instead
@@ -92,15 +96,18 @@ def expect(f: Facts, cfg) -> Expected:
     if g.precision not in f.precisions:
         return Expected(error=r"^tiers\.gpu\.precision: ")
     if gpu_budget >= f.total_bf16:
-        hot, staging, transit = f.n, 0, 0
+        hot, staging, transit, rows = f.n, 0, 0, 0
     else:
-        transit = max((f.stride[p] for p in {c.precision, cfg.nvme.precision} if p != "bf16" and p in f.precisions), default=0)
+        lossy = [p for p in {c.precision, cfg.nvme.precision} if p != "bf16" and p in f.precisions]
+        transit = max((f.stride[p] for p in lossy), default=0)
         # auto: two per routed expert of a token, or up to four so that half of them carries
         # AUTO_PART_BYTES up, in at most half the budget, at least one
         moved = transit or f.slot
         want = max(2 * f.top_k, min(4 * f.top_k, 2 * -(-tiers.policy.AUTO_PART_BYTES // moved)))
         staging = g.staging_slots if g.staging_slots != "auto" else max(1, min(want, gpu_budget // (f.slot + transit) // 2))
-        reserved = staging * (f.slot + transit)
+        # a row per staging slot where lossy blobs stack, else a ring of TRANSIT_RING rows
+        rows = staging if all(f.nbytes[p] <= tiers.policy.STACK_BYTES for p in lossy) else min(staging, tiers.policy.TRANSIT_RING)
+        reserved = staging * f.slot + rows * transit
         if gpu_budget < f.slot:
             return Expected(error="^" + re.escape(f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({f.slot} bytes at bf16)"))
         if gpu_budget < reserved:
@@ -119,7 +126,7 @@ def expect(f: Facts, cfg) -> Expected:
     cold = rest - warm
     if cold and cfg.nvme.precision not in f.precisions:
         return Expected(error=r"^tiers\.nvme\.precision: ")
-    return Expected(hot, warm, cold, staging, transit, gpu_budget, cpu_budget)
+    return Expected(hot, warm, cold, staging, transit, rows, gpu_budget, cpu_budget)
 
 
 def check(f: Facts, manifest, cfg, exp: Expected) -> None:
@@ -136,8 +143,8 @@ def check(f: Facts, manifest, cfg, exp: Expected) -> None:
     assert len(p.groups) == 1
     (grp,) = p.groups
     assert grp.layers == f.layers
-    assert (grp.slot_bytes, grp.hot, grp.staging, grp.transit_bytes) == (f.slot, exp.hot, exp.staging, exp.transit)
-    assert p.gpu_bytes == exp.hot * f.slot + exp.staging * (f.slot + exp.transit)
+    assert (grp.slot_bytes, grp.hot, grp.staging, grp.transit_bytes, grp.transit_rows) == (f.slot, exp.hot, exp.staging, exp.transit, exp.rows)
+    assert p.gpu_bytes == (exp.hot + exp.staging) * f.slot + exp.rows * exp.transit
     assert p.gpu_bytes <= p.gpu_budget
     assert len(p.warm) * f.stride.get(cfg.cpu.precision, 0) <= p.cpu_budget
 
@@ -187,7 +194,7 @@ def test_minimal_yaml_counts(f, manifest):
     reserved = 2 * (f.slot + f.stride["int8"])
     hot = (gpu_budget - reserved) // f.slot
     warm = min(24 - hot, int(0.5 * 24 * f.stride["int8"]) // f.stride["int8"])
-    exp = Expected(hot, warm, 24 - hot - warm, 2, f.stride["int8"], gpu_budget, int(0.5 * 24 * f.stride["int8"]))
+    exp = Expected(hot, warm, 24 - hot - warm, 2, f.stride["int8"], 2, gpu_budget, int(0.5 * 24 * f.stride["int8"]))
     assert exp == expect(f, cfg)
     assert hot > 0 and warm > 0 and exp.cold > 0
     check(f, manifest, cfg, exp)
@@ -208,27 +215,32 @@ def test_gpu_fraction_one_is_all_hot_without_staging(f, manifest, cpu):
     assert p.hot == tuple(sorted(manifest.keys))
     assert [(g.hot, g.staging, g.transit_bytes) for g in p.groups] == [(24, 0, 0)]
     assert p.gpu_bytes == p.gpu_budget == 24 * f.slot
-    check(f, manifest, cfg, Expected(24, 0, 0, 0, 0, 24 * f.slot, 0))
+    check(f, manifest, cfg, Expected(24, 0, 0, 0, 0, 0, 24 * f.slot, 0))
 
 
 def test_cpu_fraction_zero_means_no_warm(f, manifest):
     cfg = parse_config({"tiers": {"gpu": {"fraction": 0.5, "staging_slots": 2}, "cpu": {"fraction": 0}}})
     gpu_budget = int(0.5 * 24 * f.slot)
     hot = (gpu_budget - 2 * (f.slot + f.stride["int8"])) // f.slot
-    exp = Expected(hot, 0, 24 - hot, 2, f.stride["int8"], gpu_budget, 0)
+    exp = Expected(hot, 0, 24 - hot, 2, f.stride["int8"], 2, gpu_budget, 0)
     assert exp == expect(f, cfg)
     check(f, manifest, cfg, exp)
 
 
+@pytest.mark.parametrize("large", [False, True])
 @pytest.mark.parametrize("extra", [0, 1, 4095])
 @pytest.mark.parametrize("hot", [0, 1, 5, 13])
 @pytest.mark.parametrize("slots", [1, 2, 3])
-def test_gpu_budget_in_bytes(f, manifest, hot, slots, extra):
-    reserved = slots * (f.slot + f.stride["int8"])
+def test_gpu_budget_in_bytes(f, manifest, hot, slots, extra, large, monkeypatch):
+    """``large``: the int8 blobs count as too large to stack, so at most two transit rows are kept."""
+    if large:
+        monkeypatch.setattr(tiers.policy, "STACK_BYTES", f.nbytes["int8"] - 1)
+    rows = min(slots, 2) if large else slots
+    reserved = slots * f.slot + rows * f.stride["int8"]
     budget = reserved + hot * f.slot + extra
     cfg = parse_config({"tiers": {"gpu": {"budget": budget, "staging_slots": slots}, "cpu": {"fraction": 0.25}}})
     exp = expect(f, cfg)
-    assert exp.hot == hot and exp.staging == slots
+    assert exp.hot == hot and exp.staging == slots and exp.rows == rows
     check(f, manifest, cfg, exp)
 
 
@@ -269,7 +281,8 @@ def test_transit_is_the_largest_lossy_blob(f, manifest):
     m3 = dataclasses.replace(manifest, precisions=manifest.precisions + ("bnb8",), layers=layers)
     bnb8 = {e.blobs["bnb8"].stride for e in layers.values()}
     assert len(bnb8) == 1
-    f3 = dataclasses.replace(f, precisions=m3.precisions, stride={**f.stride, "bnb8": bnb8.pop()})
+    bnb8_bytes = {e.blobs["bnb8"].nbytes for e in layers.values()}
+    f3 = dataclasses.replace(f, precisions=m3.precisions, stride={**f.stride, "bnb8": bnb8.pop()}, nbytes={**f.nbytes, "bnb8": bnb8_bytes.pop()})
     assert f3.stride["bnb8"] % 4096 == 0 and f3.stride["bnb8"] != f3.stride["int8"]
     for cpu, nvme in [("int8", "bnb8"), ("bnb8", "int8"), ("int8", "int8"), ("bf16", "bf16"), ("bf16", "bnb8")]:
         cfg = parse_config({"tiers": {"gpu": {"fraction": 0.3}, "cpu": {"fraction": 0.3, "precision": cpu},
@@ -309,10 +322,18 @@ def test_counts_deepseek_v3_moe_layers_from_1(packed_factory):
 # -- sweep -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("large", [False, True])
 @SWEEP
 @given(data=st.data())
-def test_sweep_budget_bound_partition_and_counts(f, manifest, data):
-    """Any sizes: either the expected ValueError (naming a tiers. key) or the expected counts, within budget."""
+def test_sweep_budget_bound_partition_and_counts(f, manifest, large, data):
+    """Any sizes: either the expected ValueError (naming a tiers. key) or the expected counts, within
+    budget; with lossy blobs small enough to stack, or (``large``) not, so their transit rows are a
+    ring of at most two."""
+    with mock.patch.object(tiers.policy, "STACK_BYTES", f.nbytes["int8"] - 1 if large else tiers.policy.STACK_BYTES):
+        sweep_once(f, manifest, data)
+
+
+def sweep_once(f, manifest, data):
     total, total_cpu = f.total_bf16, f.n * f.stride["int8"]
 
     def sizes(unit: int, top: int):
@@ -385,6 +406,24 @@ def test_gpu_budget_cannot_hold_staging_slots(f, manifest, slots, short):
     # exactly the reservation is enough: no hot experts, every miss staged
     ok = plan_placement(parse_config({"tiers": {"gpu": {"budget": reserved, "staging_slots": slots}}}), manifest)
     assert ok.hot == () and ok.gpu_bytes == reserved
+
+
+def test_large_lossy_experts_keep_two_transit_rows_and_the_rest_goes_hot(f, manifest, monkeypatch):
+    """Same budget and staging slots: with the int8 blobs above ``STACK_BYTES`` the pool keeps two
+    transit rows instead of one per slot, and the bytes saved hold hot experts."""
+    cfg = parse_config({"tiers": {"gpu": {"budget": 4 * (f.slot + f.stride["int8"]) + 5 * f.slot, "staging_slots": 4},
+                                  "cpu": {"fraction": 0.5}}})
+    small = plan_placement(cfg, manifest)
+    monkeypatch.setattr(tiers.policy, "STACK_BYTES", f.nbytes["int8"] - 1)
+    large = plan_placement(cfg, manifest)
+    assert [(g.staging, g.transit_rows) for g in small.groups] == [(4, 4)]
+    assert [(g.staging, g.transit_rows) for g in large.groups] == [(4, 2)]
+    assert len(small.hot) == 5
+    assert len(large.hot) == 5 + (2 * f.stride["int8"]) // f.slot
+    assert len(large.hot) > len(small.hot)  # the fixture's int8 blobs: more than half an expert's bf16 bytes
+    assert small.gpu_bytes <= small.gpu_budget and large.gpu_bytes <= large.gpu_budget
+    monkeypatch.setattr(tiers.policy, "STACK_BYTES", f.nbytes["int8"])  # at the bound: still stacked
+    assert [g.transit_rows for g in plan_placement(cfg, manifest).groups] == [4]
 
 
 def test_gpu_fraction_cannot_hold_staging_slots(manifest):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import tiers
+import tiers.policy
 from loader.layout import ExpertKey
 from test_engine import _recorded_manager
 from test_integrity import corrupt_expert, decoded
@@ -174,13 +175,21 @@ def test_an_expert_too_large_to_stack_goes_up_one_tensor_at_a_time(packed_factor
     mgr.release_all(held)
 
 
-def test_large_experts_staged_by_tensor_are_exact(packed_factory, device, monkeypatch):
-    """Every expert counted as too large to stack: each slot equals its blob dequantized alone."""
+@pytest.mark.parametrize("ring", [False, True])
+def test_large_experts_staged_by_tensor_are_exact(packed_factory, device, ring, monkeypatch):
+    """Every expert counted as too large to stack: each slot equals its blob dequantized alone,
+    with a transit row per staging slot, or (``ring``: the placement counts them as too large
+    too, as it does Mixtral-8x7B's) through a ring of two rows that 20 calls of up to 6 misses
+    wrap many times, so a copy that overwrote a row before its dequantization read it would
+    show."""
     from tiers.engine import TierManager
 
     monkeypatch.setattr(TierManager, "STACK_BYTES", 1024)
+    if ring:
+        monkeypatch.setattr(tiers.policy, "STACK_BYTES", 1024)
     mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
     assert all(mgr.stack_limit[id(p)] == 1 for p in mgr.pools)
+    assert [len(mgr.transit[id(p)]) for p in mgr.pools] == [2 if ring else 6] * len(mgr.pools)
     spans = []
     inner = mgr._stage_by_tensor
     mgr._stage_by_tensor = lambda *a: spans.append(a[3]) or inner(*a)
@@ -188,13 +197,17 @@ def test_large_experts_staged_by_tensor_are_exact(packed_factory, device, monkey
     assert spans, "the by-tensor path must run"
 
 
-@pytest.mark.parametrize("limit", [2, 1])
-def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_factory, limit):
+@pytest.mark.parametrize("limit, large", [(2, False), (1, False), (1, True)])
+def test_a_transit_row_is_rewritten_only_after_its_last_dequantization(packed_factory, limit, large, monkeypatch):
     """Random layer calls and prefetches over a ring of 3 transit rows with stacks of up to 2 (or of
-    1: experts staged tensor by tensor): each copy into a row comes after a copy-stream wait on the
-    ready event of the row's last reader."""
+    1: experts staged tensor by tensor; ``large``: experts the placement counts as too large to
+    stack, over a ring of 2 rows for the 3 staging slots): each copy into a row comes after a
+    copy-stream wait on the ready event of the row's last reader."""
+    if large:
+        monkeypatch.setattr(tiers.policy, "STACK_BYTES", 1024)
     mgr, rec, streams = _recorded_manager(packed_factory("mixtral"), staging=3)
     pid = id(mgr.pools[0])
+    assert mgr.transit[pid].shape[0] == (2 if large else 3)
     mgr.stack_limit[pid] = limit
     writes: list[tuple[int, int, int]] = []  # (transit row, order index before the staging, after its copies were queued)
     readers: dict[int, list] = {}  # row -> ready events of the dequantizations that read it, in order
