@@ -1,6 +1,7 @@
 """How far the staging-slot cache is from Belady's MIN on the skewed trace, and why.
 
-    python bench/cache_bound.py [--tokens 256] [--seed 0] [--models mixtral,qwen3_moe] [--out bench/results/cache_bound.json]
+    python bench/cache_bound.py [--tokens 256] [--seed 0] [--models mixtral,qwen3_moe] [--splits 9:4,10:4]
+                                [--out bench/results/cache_bound.json]
 
 The bench replays the cache policies against Belady's MIN on synthetic traces (capacity 25% of
 the experts, no pinned set). This asks what the remaining gap is made of, on the same traces
@@ -21,6 +22,13 @@ the experts, no pinned set). This asks what the remaining gap is made of, on the
 - ``markov``: the shipped policy of that kind (``tiers.cache.MarkovSlots``): the forecast's
   victim rule with those chances counted online, pulled towards the forecast's averages.
 
+- ``splits`` (``--splits HOT:STAGING,...``): the GPU tier as the engine holds it, a hot set
+  pinned and the shipped policy over the staging slots, for each split of slots. Hot counts per
+  layer are round-robin over layers, as loaded, and each layer's hot experts are its most popular
+  under the trace model (where the rebalancer takes them); the hit rate of hot and staging
+  together, Belady's over as many slots with none pinned, and their ratio. What the split of a
+  budget between hot and staging slots is worth, with Mixtral-8x7B's counts: at 25% of its
+  experts a staging slot and its transit row cost 1.5 hot slots, two transit rows 1.
 - ``online_bound_over_belady``: the most hits any online policy can expect on the trace
   (``online_bound``: the cache must hold, before a token's first layer call, every expert that
   will hit in that token, chosen before its layer's draw), over Belady's. Where it is below 0.95,
@@ -39,6 +47,7 @@ from collections import Counter  # noqa: E402
 
 import torch  # noqa: E402
 
+from loader.layout import ExpertKey  # noqa: E402
 from tiers.cache import ForecastSlots, LruSlots, MarkovSlots, belady_hits, replay  # noqa: E402
 from tiers.trace import TraceModel, lookups  # noqa: E402
 from tools.measure import write_result  # noqa: E402
@@ -253,6 +262,47 @@ def measure(model: str, tokens: int = 256, seed: int = 0, draws: int = 4000, onl
     return row
 
 
+def parse_splits(text: str) -> list[tuple[int, int]]:
+    """``HOT:STAGING,...`` as (hot, staging) pairs of counts, staging at least 1; refuses anything else."""
+    out = []
+    for item in text.split(","):
+        try:
+            hot, staging = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise SystemExit(f"--splits: {item!r} is not HOT:STAGING (two integers)") from None
+        if hot < 0 or staging < 1:
+            raise SystemExit(f"--splits: {item!r} needs HOT >= 0 and STAGING >= 1")
+        out.append((hot, staging))
+    return out
+
+
+def hot_set(model: TraceModel, hot: int) -> set:
+    """``hot`` experts: per-layer counts round-robin over layers (as a load places them), each
+    layer's most popular under ``model`` (where the rebalancer takes them)."""
+    pop = model.popularity()
+    per_layer = [hot // model.num_layers + (layer < hot % model.num_layers) for layer in range(model.num_layers)]
+    return {ExpertKey(layer, int(e)) for layer, n in enumerate(per_layer) for e in pop[layer].argsort(descending=True)[:n].tolist()}
+
+
+def measure_splits(model: str, splits: list[tuple[int, int]], tokens: int, seed: int = 0, zipf: float = 1.2, reuse: float = 0.5) -> list[dict]:
+    """Per split: the shipped policy over the staging slots behind a pinned hot set, against
+    Belady's over as many slots (``splits`` in the module docstring)."""
+    layers_n, experts, k = COUNTS[model]
+    layers = list(range(layers_n))
+    trace_model = TraceModel(layers_n, experts, k, zipf_s=zipf, reuse_p=reuse, seed=seed)
+    seq = lookups(trace_model.sample(tokens), layers)
+    rows = []
+    for hot_n, staging in splits:
+        if hot_n > layers_n * experts:
+            raise SystemExit(f"--splits: {hot_n} hot experts, but {model} has {layers_n * experts}")
+        hot = hot_set(trace_model, hot_n)
+        hits = sum(key in hot for key in seq) + replay(seq, staging, hot, lambda s: MarkovSlots(s, layers, experts=experts))
+        belady = belady_hits(seq, hot_n + staging, set())
+        rows.append({"hot": hot_n, "staging": staging, "hit_rate": hits / len(seq), "belady_hit_rate": belady / len(seq),
+                     "over_belady": hits / belady})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
@@ -263,16 +313,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=None, help="comma-separated: replay only these policies (default: all)")
     ap.add_argument("--zipf", type=float, default=1.2, help="the trace's per-layer Zipf exponent (0: uniform)")
     ap.add_argument("--reuse", type=float, default=0.5, help="the trace's chance a token keeps an expert of the last one")
+    ap.add_argument("--splits", default=None, metavar="HOT:STAGING,...",
+                    help="also replay the GPU tier as hot and staging slots, for each split (see the docstring)")
     ap.add_argument("--out", default="bench/results/cache_bound.json")
     args = ap.parse_args(argv)
+    splits = parse_splits(args.splits) if args.splits else None
     result = {"command": "python bench/cache_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "trace": {"zipf_s": args.zipf, "reuse_p": args.reuse, "seed": args.seed, "tokens": args.tokens},
               "models": {m: measure(m, args.tokens, seed=args.seed, draws=args.draws, only=args.policies and args.policies.split(","),
                                     bound=not args.no_bound, zipf=args.zipf, reuse=args.reuse) for m in args.models.split(",")}}
+    if splits:
+        for m, row in result["models"].items():
+            row["splits"] = measure_splits(m, splits, args.tokens, seed=args.seed, zipf=args.zipf, reuse=args.reuse)
     write_result(args.out, result)
     for m, row in result["models"].items():
         print(m, f"belady {row['belady_hit_rate']:.3f}", " ".join(f"{k} {v:.3f}" for k, v in row["over_belady"].items()),
               f"online bound {row['online_bound_over_belady']:.3f}" if "online_bound_over_belady" in row else "")
+        for r in row.get("splits", ()):
+            print(f"  {r['hot']} hot + {r['staging']} staging: hit rate {r['hit_rate']:.3f}, belady {r['belady_hit_rate']:.3f}, "
+                  f"over belady {r['over_belady']:.3f}")
     return 0
 
 

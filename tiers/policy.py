@@ -177,7 +177,9 @@ AUTO_PART_BYTES = 64 << 20
 # ring of TRANSIT_RING rows: a copy into a row waits for the dequantization two back, which ends
 # long before (Mixtral-8x7B on the H200: 0.75 ms to dequantize an expert, 3.2 ms to copy it up).
 # The rows a ring saves hold hot experts instead: at 25% of Mixtral-8x7B's experts, 4 staging
-# slots with 4 rows left room for 9 hot experts, with 2 rows for 10.
+# slots with 4 rows left room for 9 hot experts, with 2 rows for 10 (replayed on the bench's
+# skewed trace, 0.493 of the lookups hit the GPU against 0.466: cache_bound-mixtral-splits.json;
+# the H200's run 41 moved 4-7% fewer bytes per token than run 40 in its INT8 arms).
 STACK_BYTES = 32 << 20
 TRANSIT_RING = 2
 
