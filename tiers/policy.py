@@ -176,12 +176,24 @@ AUTO_PART_BYTES = 64 << 20
 # and are dequantized one at a time, each dequantization overlapping the next copy, through a
 # ring of TRANSIT_RING rows: a copy into a row waits for the dequantization two back, which ends
 # long before (Mixtral-8x7B on the H200: 0.75 ms to dequantize an expert, 3.2 ms to copy it up).
-# The rows a ring saves hold hot experts instead: at 25% of Mixtral-8x7B's experts, 4 staging
-# slots with 4 rows left room for 9 hot experts, with 2 rows for 10 (replayed on the bench's
-# skewed trace, 0.493 of the lookups hit the GPU against 0.466: cache_bound-mixtral-splits.json;
-# the H200's run 41 moved 4-7% fewer bytes per token than run 40 in its INT8 arms).
+# The rows a ring saves hold more slots: at 25% of Mixtral-8x7B's experts, 4 staging slots with
+# 4 rows left room for 9 hot experts, with 2 rows for 10 (replayed on the bench's skewed trace,
+# 0.493 of the lookups hit the GPU against 0.466: cache_bound-mixtral-splits.json; on the H200,
+# run 41's INT8 arms moved 1-7% fewer bytes per decoded token than run 40's), and auto staging
+# takes them for staging slots instead (AUTO_RING_PER_TOP_K: 8 hot and 6 staging).
 STACK_BYTES = 32 << 20
 TRANSIT_RING = 2
+# staging_slots: auto -> at least this many slots per routed expert of a token where every pool
+# keeps a transit ring, its experts too large to stack. There a staging slot costs what a hot
+# one does, and on routing that reuses experts from token to token a staging slot (which follows
+# it) is worth more than a hot one (which holds its expert whatever the last tokens used): with
+# Mixtral-8x7B's counts, replayed on the bench's skewed trace, 8 hot and 6 staging slots hit
+# 0.529 of the lookups against 0.493 for 10 and 4, and 24 and 6 hit 0.839 against 0.808 for 26
+# and 4, and as much or more on uniform routing (cache_bound-mixtral-splits*.json). On the H200
+# (bench-mixtral-staging6.md against run 41) the INT8 arms moved 1-10% fewer bytes per decoded
+# token with 6 staging slots (each arm still at its bytes bound) and their 2048-token prefills
+# took 2-7% longer (fewer hot experts, more bytes up).
+AUTO_RING_PER_TOP_K = 3
 
 
 def transit_rows(staging: int, lossy_nbytes: int) -> int:
@@ -237,22 +249,31 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
     def transit(L: int) -> int:
         return max((b.stride for b in lossy(L)), default=0)
 
+    def largest(Ls: list[int]) -> int:
+        return max((b.nbytes for L in Ls for b in lossy(L)), default=0)
+
     def rows(Ls: list[int], staging: int) -> int:
-        return transit_rows(staging, max((b.nbytes for L in Ls for b in lossy(L)), default=0))
+        return transit_rows(staging, largest(Ls))
+
+    def reserve(n: int) -> int:
+        """GPU bytes ``n`` staging slots per group take, with their transit rows."""
+        return sum(n * slot_bytes[Ls[0]] + rows(Ls, n) * transit(Ls[0]) for Ls in groups_by_sig.values())
 
     if gpu_budget >= total_compute:
         hot = list(order)
         staging = dict.fromkeys(groups_by_sig, 0)
     else:
-        per_slot = sum(slot_bytes[Ls[0]] + transit(Ls[0]) for Ls in groups_by_sig.values())  # one slot in every group
         n_staging = cfg.gpu.staging_slots
         if n_staging == "auto":  # 2 x top-k (a decode call's misses fit half of them) or up to 4 x for a part's bytes, in at most half the budget
             k = top_k(manifest)
             moved = min(transit(Ls[0]) or slot_bytes[Ls[0]] for Ls in groups_by_sig.values())  # an expert's bytes up
             n_staging = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
-            n_staging = max(1, min(n_staging, gpu_budget // per_slot // 2))
+            if all(largest(Ls) > STACK_BYTES for Ls in groups_by_sig.values()):  # transit rings: see AUTO_RING_PER_TOP_K
+                n_staging = max(n_staging, AUTO_RING_PER_TOP_K * k)
+            while n_staging > 1 and reserve(n_staging) > gpu_budget // 2:
+                n_staging -= 1
         staging = dict.fromkeys(groups_by_sig, n_staging)
-        reserved = sum(n_staging * slot_bytes[Ls[0]] + rows(Ls, n_staging) * transit(Ls[0]) for Ls in groups_by_sig.values())
+        reserved = reserve(n_staging)
         smallest = min(slot_bytes.values())
         if gpu_budget < smallest:
             raise ValueError(

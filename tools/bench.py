@@ -395,7 +395,7 @@ def run(args) -> dict:
         if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
             entry = next(iter(read_manifest(packed).layers.values()))
             blob = entry.blobs[precision] if precision != "bf16" else None
-            n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it may take more for a streamed part's bytes)
+            n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it takes more for a streamed part's bytes, or experts too large to stack)
             rows = transit_rows(n, blob.nbytes) if blob else 0
             gpu = {"budget": n * entry.layout.nbytes() + rows * (blob.stride if blob else 0), "staging_slots": n}
         cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth,

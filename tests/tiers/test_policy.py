@@ -104,10 +104,21 @@ def expect(f: Facts, cfg) -> Expected:
         # AUTO_PART_BYTES up, in at most half the budget, at least one
         moved = transit or f.slot
         want = max(2 * f.top_k, min(4 * f.top_k, 2 * -(-tiers.policy.AUTO_PART_BYTES // moved)))
-        staging = g.staging_slots if g.staging_slots != "auto" else max(1, min(want, gpu_budget // (f.slot + transit) // 2))
-        # a row per staging slot where lossy blobs stack, else a ring of TRANSIT_RING rows
-        rows = staging if all(f.nbytes[p] <= tiers.policy.STACK_BYTES for p in lossy) else min(staging, tiers.policy.TRANSIT_RING)
-        reserved = staging * f.slot + rows * transit
+        # lossy blobs too large to stack: a ring of TRANSIT_RING rows (else a row per staging
+        # slot), and auto wants AUTO_RING_PER_TOP_K slots per routed expert at least
+        ring = any(f.nbytes[p] > tiers.policy.STACK_BYTES for p in lossy)
+        if ring:
+            want = max(want, tiers.policy.AUTO_RING_PER_TOP_K * f.top_k)
+
+        def reserve(n: int) -> int:
+            return n * f.slot + (min(n, tiers.policy.TRANSIT_RING) if ring else n) * transit
+
+        if g.staging_slots != "auto":
+            staging = g.staging_slots
+        else:  # the most it wants that fit half the budget, at least one
+            staging = max([n for n in range(1, want + 1) if reserve(n) <= gpu_budget // 2], default=1)
+        rows = min(staging, tiers.policy.TRANSIT_RING) if ring else staging
+        reserved = reserve(staging)
         if gpu_budget < f.slot:
             return Expected(error="^" + re.escape(f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({f.slot} bytes at bf16)"))
         if gpu_budget < reserved:
@@ -528,6 +539,22 @@ def test_auto_staging_is_two_per_routed_expert_in_at_most_half_the_budget(f, man
     wanted = {None: 8, "2 experts": 4, "3 experts": 6}[part_bytes]
     assert want == max(1, min(wanted, budget // (f.slot + f.stride["int8"]) // 2))  # the rule, spelled out for these cases
     assert plan_placement(cfg, manifest).groups[0].staging == want
+    check(f, manifest, cfg, expect(f, cfg))
+
+
+@pytest.mark.parametrize("fraction,want", [(0.25, 1), (0.5, 4), (0.75, 6), (0.95, 6)])
+def test_auto_staging_is_three_per_routed_expert_where_experts_are_too_large_to_stack(f, manifest, fraction, want, monkeypatch):
+    """The int8 blobs counted as too large to stack (and a part's bytes asking for no more than
+    the 4 slots a top-2 model gets anyway): two transit rows, and auto wants 6 staging slots, within
+    half the budget counted with those two rows."""
+    monkeypatch.setattr(tiers.policy, "STACK_BYTES", f.nbytes["int8"] - 1)
+    monkeypatch.setattr(tiers.policy, "AUTO_PART_BYTES", 2 * f.stride["int8"])
+    cfg = parse_config({"tiers": {"gpu": {"fraction": fraction}}})
+    budget = int(fraction * 24 * f.slot)
+    fit = max(n for n in range(1, 7) if n * f.slot + min(n, 2) * f.stride["int8"] <= budget // 2)
+    assert want == fit  # the rule, spelled out for these cases
+    (g,) = plan_placement(cfg, manifest).groups
+    assert (g.staging, g.transit_rows) == (want, min(want, 2))
     check(f, manifest, cfg, expect(f, cfg))
 
 
