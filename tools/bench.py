@@ -703,6 +703,10 @@ def markdown(r: dict) -> str:
     mib = 2**20
     lines = [f"# Bench: {r['model']} ({r['shape']['layers']} layers) on {r['device']}", "",
              f"Command: `{r['command']}`", "",
+             *([] if "cache_replay" in r else [
+                 "This run ended after its arms, before its end-of-run measurements (the cache policies' replays, the copy "
+                 "sweep, the cold reads): these tables are from the JSON it had written by then (`bench-<model>.partial.json`, "
+                 "read by `--report`).", ""]),
              f"Experts: {r['experts']}, {r['expert_bytes_bf16'] / 2**30:.2f} GiB at bf16. Decode: batch 1, {r['decode_tokens']} tokens; "
              f"prefill: {r['prefill_tokens']} tokens. Arms named `@skewed` route by the skewed trace {r['routing']['skewed']} (Tiers with the rebalancer on; `_norebal`: off; `_routed`: on, loaded with the routing its `@skewed` arm counted, no rebalancer warm-up).", "",
              *attention_warmup_lines(r.get("attention_warmup")),
@@ -900,7 +904,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
     ap.add_argument("--report", metavar="JSON",
-                    help="run nothing: rewrite the Markdown beside this bench JSON from it (figures derived again)")
+                    help="run nothing: rewrite the Markdown beside this bench JSON from it (figures derived again); also the "
+                         "partial JSON of a run that did not finish")
     args = ap.parse_args(argv)
     if args.report:
         return report(Path(args.report))

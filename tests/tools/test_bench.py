@@ -415,6 +415,11 @@ def test_report_rewrites_the_markdown_from_a_bench_json(tmp_path, capsys):
     assert "- tiers_25_int8, marked prefill 1: tiers/a.py:1 x2; tiers/b.py:2 x1" in md
     assert "- tiers_25_int8, marked prefill 2: none" in md and "tiers_50_int8, marked" not in md
     assert json.loads(path.read_text()) == r  # the JSON is left as it was
+    assert "This run ended after its arms, before its end-of-run measurements" in md  # no cache replay: a partial JSON
+    r["cache_replay"] = {}
+    path.write_text(json.dumps(r))
+    assert bench.main(["--report", str(path)]) == 0
+    assert "This run ended" not in (tmp_path / "bench-mixtral-run1.md").read_text()
     capsys.readouterr()
     bad = tmp_path / "bench-bad.json"
     bad.write_text("[1, 2]")
