@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The benchmark runs behind bench/results, on a CUDA machine; results go to ${OUT:-gpu-out}/results.
-# Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call)
+# Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call;
+# Mixtral's run 42, these flags under a 495 s limit after the CUDA suite in the same call, on a slow host, stopped after
+# its last arm, before its copy sweep and cold reads: python3 tools/bench.py --report <out>/bench-mixtral.partial.json
+# writes the tables of such a run)
 # Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
-# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run55.md, -mixtral-run40.md).
+# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run55.md, -mixtral-run41.md).
 set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
