@@ -9,9 +9,8 @@ routing files (``ROUTING_FORMAT``), and LRU choice among staging slots.
 Budget accounting on the GPU: ``budget >= hot slots + staging slots + transit rows``, all in
 bytes: a transit row per staging slot where lossy experts are small enough to stack
 (``STACK_BYTES``), else ``TRANSIT_RING`` rows at most; when every expert fits, no staging slot is
-reserved. A gpu ``fraction`` is of the
-bytes of all experts at compute precision (bf16); a cpu ``fraction`` is of the bytes of all
-experts at the cpu tier's precision (4 KiB aligned blobs).
+reserved. A gpu ``fraction`` is of the bytes of all experts at compute precision (bf16); a cpu
+``fraction`` is of the bytes of all experts at the cpu tier's precision (4 KiB aligned blobs).
 """
 from __future__ import annotations
 
