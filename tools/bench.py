@@ -80,7 +80,6 @@ def run(args) -> dict:
     from tiers.cache import belady_hits, make_cache, replay
     from tiers.engine import TierManager
     from tiers.integration import manager_of
-    from tiers.policy import transit_rows
     from tiers.trace import TraceModel, lookups
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -393,11 +392,8 @@ def run(args) -> dict:
         slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
         gpu = {"fraction": frac, "staging_slots": slots}
         if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
-            entry = next(iter(read_manifest(packed).layers.values()))
-            blob = entry.blobs[precision] if precision != "bf16" else None
             n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it takes more for a streamed part's bytes, or experts too large to stack)
-            rows = transit_rows(n, blob.nbytes) if blob else 0
-            gpu = {"budget": n * entry.layout.nbytes() + rows * (blob.stride if blob else 0), "staging_slots": n}
+            gpu = staging_only_gpu(read_manifest(packed), precision, n)
         cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth,
                                        "decode_graphs": args.decode_graphs == "on"},
                          "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
@@ -496,6 +492,18 @@ class PrefillNotes:
         after = self._counters()
         self.rows.append({"host_s": host, "host_cpu_s": c1 - c0, "others_cpu_s": max(0.0, (p1 - p0) - (c1 - c0)),
                           **{k: after[k] - v for k, v in before.items()}, "rebalancer": rebalancer_change(self.mgr, moves)})
+
+
+def staging_only_gpu(manifest, precision: str, n: int) -> dict:
+    """The ``tiers.gpu`` section of the staging-slots arm: a budget of exactly ``n`` staging slots
+    and their transit rows (as the placement counts them), so no expert is hot. Every MoE layer
+    of the bench's models has one expert shape."""
+    from tiers.policy import transit_rows
+
+    entry = next(iter(manifest.layers.values()))
+    blob = entry.blobs[precision] if precision != "bf16" else None
+    rows = transit_rows(n, blob.nbytes) if blob else 0
+    return {"budget": n * entry.layout.nbytes() + rows * (blob.stride if blob else 0), "staging_slots": n}
 
 
 def paired_timings(arm, pair, device, reps: int) -> tuple[list[float], list[float]]:

@@ -534,3 +534,29 @@ def test_a_routed_arm_without_its_skewed_arm_before_it_is_refused(tmp_path, caps
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--device", "cpu", "--arms", arms, "--out", str(tmp_path)])
     assert "_routed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_the_staging_only_arm_holds_no_hot_expert_at_mixtral_shapes(packed_factory, precision):
+    """The staging-slots arm's budget is exactly its slots and transit rows, also where the
+    placement keeps a ring of two rows (Mixtral-8x7B's INT8 experts, above ``STACK_BYTES``): sized
+    with a row per slot, it would hold one hot expert. Real shapes, layouts only (no weights)."""
+    import dataclasses
+
+    from loader.blob import blob_layout
+    from loader.layout import ExpertLayout, ExpertTensor
+    from loader.packed import read_manifest
+    from tiers.config import parse_config
+    from tiers.policy import plan_placement
+
+    tiny = read_manifest(packed_factory("mixtral"))
+    layout = ExpertLayout(8, (ExpertTensor("gate_up_proj", (2 * 14336, 4096)), ExpertTensor("down_proj", (4096, 14336))))
+    entry = next(iter(tiny.layers.values()))
+    layers = {L: dataclasses.replace(entry, layer=L, layout=layout, blobs={p: blob_layout(layout, p) for p in tiny.precisions})
+              for L in range(8)}
+    manifest = dataclasses.replace(tiny, layers=layers)
+    gpu = bench.staging_only_gpu(manifest, precision, 4)
+    cfg = parse_config({"tiers": {"gpu": gpu, "cpu": {"fraction": 1.0, "precision": precision}, "nvme": {"precision": precision}}})
+    p = plan_placement(cfg, manifest)
+    assert p.hot == () and [(g.staging, g.transit_rows) for g in p.groups] == [(4, 2 if precision == "int8" else 4)]
+    assert p.gpu_bytes == gpu["budget"]
