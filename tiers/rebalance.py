@@ -336,15 +336,19 @@ class Rebalancer:
             return
         if first:
             self.land()
-            if self.window.tokens + tokens >= self.window.every:  # the interval closes: add direct decode's device counts
-                usage = self.mgr.take_direct_usage()
-                if usage is not None:
-                    self.window.add(usage)
+            if self.window.tokens + tokens >= self.window.every:  # the interval closes
+                self._count_direct()
             freq = self.window.add_tokens(tokens)
             if freq is not None:
                 self.rebalance(freq)
         if keys:
             self.window.count(keys)
+
+    def _count_direct(self) -> None:
+        """Add direct decode's device counts since the last take (one sync, only if a direct call ran)."""
+        usage = self.mgr.take_direct_usage()
+        if usage is not None:
+            self.window.add(usage)
 
     # -- planning -----------------------------------------------------------------------------
     def rebalance(self, freq: np.ndarray) -> list[Move]:
@@ -564,9 +568,7 @@ class Rebalancer:
     def routing_counts(self) -> tuple[dict[int, list[int]], int]:
         """Lookups per expert over the window so far (direct decode's device counts taken in), per
         layer the rebalancer counts (static layers are not counted), and the tokens they span."""
-        usage = self.mgr.take_direct_usage()
-        if usage is not None:
-            self.window.add(usage)
+        self._count_direct()
         freq, g = self.window.frequency(), self.grid
         layers = [L for L in g.layers if self.movable(L)]
         counts = {L: freq[g.row[L] * g.width : g.row[L] * g.width + g.experts[L]].tolist() for L in layers}
