@@ -15,6 +15,7 @@ import re
 import shutil
 import time
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from transformers import AutoConfig
 import quant
 from loader.blob import BLOB_ALIGN, align, blob_layout
 from loader.layout import ExpertLayout, discover_layout, find_experts_modules
-from loader.packed import MANIFEST, file_crc32, manifest_json
+from loader.packed import MANIFEST, manifest_json, routing_prior
 from loader.skeleton import build_skeleton, key_renamer
 from loader.source import SourceCheckpoint
 
@@ -56,6 +57,7 @@ class PackSummary:
     dense_bytes: int
     seconds: float
     skipped_keys: list[str] = field(default_factory=list)
+    routing_prior: bool = False
 
     def __str__(self) -> str:
         per = ", ".join(f"{p}: {_human(n)}" for p, n in self.bytes_per_precision.items())
@@ -63,6 +65,8 @@ class PackSummary:
             f"packed {self.experts} experts in {self.layers} MoE layers into {self.dst} in {self.seconds:.1f} s\n"
             f"  experts by precision: {per}\n  dense: {_human(self.dense_bytes)}"
         )
+        if self.routing_prior:
+            s += "\n  routing prior: embedded (loads without a routing file rank the experts by it)"
         if self.skipped_keys:
             s += f"\n  skipped {len(self.skipped_keys)} checkpoint keys the model does not use: {self.skipped_keys[:5]}"
         return s
@@ -201,8 +205,14 @@ def pack(
     overwrite: bool = False,
     progress: bool = True,
     device: str | torch.device = "cpu",
+    routing: str | Path | Mapping | None = None,
 ) -> PackSummary:
     """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``.
+
+    ``routing``: a routing file (``tiers.save_routing``) or its parsed document, embedded in the
+    manifest as the checkpoint's routing prior, by which a load without a routing file ranks
+    the experts for its hot and warm sets. It is checked against the source's MoE layers before
+    anything is written.
 
     ``device`` is where experts are quantized (one expert at a time); "cuda" speeds up large packs.
     bf16 blobs are the same bytes either way; INT8 blobs packed on a GPU have not been compared
@@ -219,6 +229,9 @@ def pack(
     config = AutoConfig.from_pretrained(src_path)
     model = build_skeleton(config)
     experts, layouts, dense, sources, skipped = _plan(source, model)
+    prior = None
+    if routing is not None:
+        prior = routing_prior(routing, {L: layout.num_experts for L, layout in layouts.items()}, str(src_path))
 
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     if tmp.exists():
@@ -240,6 +253,7 @@ def pack(
                 dense_files=dense_files,
                 pack=pack_doc,
                 skipped_keys=skipped,
+                routing_prior=prior,
             )
         )
         if dst.exists():
@@ -254,7 +268,8 @@ def pack(
         raise
     n_experts = sum(layouts[L].num_experts for L in layouts)
     dense_bytes = sum(f["nbytes"] for f in dense_files.values())
-    return PackSummary(dst, n_experts, len(layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0, skipped)
+    return PackSummary(dst, n_experts, len(layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0, skipped,
+                       routing_prior=prior is not None)
 
 
 def _write_dense(source: SourceCheckpoint, dense: dict[str, str], out: Path) -> dict[str, dict]:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from loader.blob import BlobLayout, blob_layout
 from loader.layout import ExpertKey, ExpertLayout
+from loader.routing import check_routing, load_routing, write_json
 
 FORMAT = "tiers-packed"
 VERSION = 1
@@ -57,7 +59,11 @@ class Manifest:
     dense_files: dict[str, dict]
     pack: dict
     skipped_keys: tuple[str, ...]
-    routing_prior: dict | None
+    routing_prior: dict[int, list[float]] | None  # the embedded routing document's counts per layer
+
+    @property
+    def experts_per_layer(self) -> dict[int, int]:
+        return {L: entry.layout.num_experts for L, entry in self.layers.items()}
 
     @property
     def keys(self) -> list[ExpertKey]:
@@ -111,6 +117,10 @@ def read_manifest(path: str | Path) -> Manifest:
         if len(experts) != layout.num_experts:
             raise ValueError(f"{mpath}: layer {entry['layer']} lists {len(experts)} experts, layout says {layout.num_experts}")
         layers[int(entry["layer"])] = LayerEntry(int(entry["layer"]), entry["module"], layout, blobs, experts)
+    prior = m.get("routing_prior")
+    if prior is not None:
+        experts_per_layer = {L: entry.layout.num_experts for L, entry in layers.items()}
+        prior = check_routing(prior, experts_per_layer, f"{mpath}: routing_prior", str(root))
     return Manifest(
         root=root,
         model_type=m["model_type"],
@@ -120,12 +130,13 @@ def read_manifest(path: str | Path) -> Manifest:
         dense_files=m["dense"]["files"],
         pack=m.get("pack", {}),
         skipped_keys=tuple(m.get("skipped_keys", [])),
-        routing_prior=m.get("routing_prior"),
+        routing_prior=prior,
     )
 
 
 def manifest_json(
-    *, model_type: str, precisions: list[str], layers: list[dict], dense_files: dict, pack: dict, skipped_keys: list[str]
+    *, model_type: str, precisions: list[str], layers: list[dict], dense_files: dict, pack: dict, skipped_keys: list[str],
+    routing_prior: Mapping | None = None,
 ) -> str:
     doc = {
         "format": FORMAT,
@@ -137,6 +148,30 @@ def manifest_json(
         "layers": layers,
         "pack": pack,
         "skipped_keys": skipped_keys,
-        "routing_prior": None,
+        "routing_prior": None if routing_prior is None else dict(routing_prior),
     }
     return json.dumps(doc, indent=1)
+
+
+def routing_prior(routing: str | Path | Mapping, experts: Mapping[int, int], checkpoint: str) -> dict:
+    """The routing prior a manifest embeds for ``routing`` (a routing file's path or its parsed
+    document), after checking it against a checkpoint whose MoE layers have ``experts[layer]``
+    experts (``loader.routing.check_routing``; errors name the file, the layer and the expert)."""
+    doc, name = load_routing(routing)
+    check_routing(doc, experts, name, checkpoint)
+    return {k: doc[k] for k in ("format", "version", "tokens", "counts") if k in doc}
+
+
+def set_routing_prior(path: str | Path, routing: str | Path | Mapping | None) -> Manifest:
+    """Embed a routing document (a file path or its parsed form) in the packed checkpoint at
+    ``path`` as its routing prior, or remove the prior with ``None``, and return the manifest as
+    it now reads. The document is checked against the checkpoint's MoE layers first; the manifest
+    is then replaced whole (a temporary file beside it, renamed over it), so it is always either
+    the old manifest or the new one. Nothing else in the checkpoint changes."""
+    manifest = read_manifest(path)
+    mpath = manifest.root / MANIFEST
+    prior = None if routing is None else routing_prior(routing, manifest.experts_per_layer, str(manifest.root))
+    m = json.loads(mpath.read_text())
+    m["routing_prior"] = prior
+    write_json(m, mpath, indent=1)
+    return read_manifest(path)

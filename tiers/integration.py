@@ -38,11 +38,12 @@ except ImportError:  # a transformers without it: the same operation on torch's 
 
 from loader.layout import ExpertKey, discover_layout, find_experts_modules
 from loader.packed import Manifest, file_crc32, read_manifest
+from loader.routing import read_routing, routing_document, write_routing
 from loader.skeleton import build_skeleton
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
 from tiers.engine import Streams, TierManager
-from tiers.policy import plan_placement, read_routing, routing_document, write_routing
+from tiers.policy import plan_placement
 from tiers.stats import TierStats
 
 IMPLEMENTATION = "tiers"  # eager: the per-expert loop, bit-identical to transformers' eager experts
@@ -795,7 +796,8 @@ def load(
     ``config`` is a YAML path, a parsed dict, a ``TiersConfig`` or None (defaults: gpu 25%,
     cpu 50% as int8, the rest int8 on disk). ``device`` defaults to cuda when available.
     ``routing``: a routing file written by ``save_routing`` (or its parsed document); the hot and
-    warm sets then start as the experts it counts most, instead of round-robin over layers.
+    warm sets then start as the experts it counts most. Without one, the checkpoint's routing
+    prior ranks them if it has one (``tools/pack.py --routing``), else round-robin over layers.
     """
     cfg = load_config(config)
     manifest = read_manifest(path)

@@ -3,8 +3,8 @@
 Owns: turning the YAML sizes into counts against the packed checkpoint (with the errors that
 need it: a budget smaller than one expert, a precision that was not packed), the preference
 order (a routing file's counts when the load names one, else the manifest's routing prior when
-present, else round-robin over layers so every layer gets an equal share), reading and checking
-routing files (``ROUTING_FORMAT``), and LRU choice among staging slots.
+present, else round-robin over layers so every layer gets an equal share), and LRU choice among
+staging slots. Routing documents themselves (files and priors) are ``loader.routing``'s.
 
 Budget accounting on the GPU: ``budget >= hot slots + staging slots + transit rows``, all in
 bytes: a transit row per staging slot where lossy experts are small enough to stack
@@ -15,12 +15,8 @@ reserved. A gpu ``fraction`` is of the bytes of all experts at compute precision
 from __future__ import annotations
 
 import json
-import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from loader.layout import ExpertKey
 from loader.packed import Manifest
@@ -59,13 +55,16 @@ class Placement:
 
 
 def preference_order(manifest: Manifest, routing: Mapping[int, Sequence[float]] | None = None) -> list[ExpertKey]:
-    """Most valuable first: by ``routing`` (counts per layer, from ``read_routing``) if given, else
-    by prior frequency if the manifest has one, else round-robin over layers.
+    """Most valuable first: by ``routing`` (counts per layer, from ``loader.routing.read_routing``)
+    if given, else by the manifest's routing prior if it has one (counts of the same kind), else
+    round-robin over layers.
 
-    A routing file's counts rank by each expert's share of its layer's lookups: every layer routes
-    the same tokens, so shares compare across layers, and a layer the file does not count (all its
-    experts were hot, or it was not counted) ranks as if routed evenly."""
+    Counts rank by each expert's share of its layer's lookups: every layer routes the same tokens,
+    so shares compare across layers, and a layer the counts leave out (all its experts were hot,
+    or it was not counted) ranks as if routed evenly."""
     keys = manifest.keys
+    if routing is None:
+        routing = manifest.routing_prior
     if routing is not None:
         share = {}
         for L, entry in manifest.layers.items():
@@ -75,86 +74,7 @@ def preference_order(manifest: Manifest, routing: Mapping[int, Sequence[float]] 
             for e in range(n):
                 share[(L, e)] = row[e] / total if total > 0 else 1.0 / n
         return sorted(keys, key=lambda k: (-share[(k.layer, k.expert)], k.expert, k.layer))
-    prior = manifest.routing_prior
-    if prior:
-        freq = {(int(L), e): f for L, row in prior.get("frequency", {}).items() for e, f in enumerate(row)}
-        return sorted(keys, key=lambda k: (-freq.get((k.layer, k.expert), 0.0), k.expert, k.layer))
     return sorted(keys, key=lambda k: (k.expert, k.layer))
-
-
-ROUTING_FORMAT = "tiers-routing"  # a routing file: {"format", "version": 1, "tokens", "counts": {"<layer>": [uses per expert]}}
-ROUTING_VERSION = 1
-
-
-def routing_document(counts: Mapping[int, Sequence[int]], tokens: int) -> dict:
-    """A routing file's contents: ``counts`` (layer -> lookups per expert) over ``tokens`` tokens."""
-    return {"format": ROUTING_FORMAT, "version": ROUTING_VERSION, "tokens": int(tokens),
-            "counts": {str(L): [int(c) for c in row] for L, row in sorted(counts.items())}}
-
-
-def write_routing(doc: dict, path: str | Path) -> Path:
-    """Write a routing document as JSON, atomically: a file of that name is either the old one or
-    the whole new one, never a partial write."""
-    path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"routing file {str(path)!r} is a directory")
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def read_routing(source: str | Path | Mapping, manifest: Manifest) -> dict[int, list[float]]:
-    """A routing file (a path, or its parsed document) as counts per layer, checked against the
-    packed checkpoint: every layer it names must be a MoE layer of the checkpoint, with one
-    non-negative count per expert, and it must count at least one lookup. Layers it leaves out
-    rank as evenly routed (``preference_order``)."""
-    name = f"routing file {str(source)!r}" if isinstance(source, (str, Path)) else "routing"
-    if isinstance(source, (str, Path)):
-        path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"{name} does not exist" if not path.exists() else f"{name} is not a file")
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{name} is not valid JSON: {e}") from None
-    elif isinstance(source, Mapping):
-        doc = source
-    else:
-        raise ValueError(f"routing: expected a file path or a parsed routing document, got {type(source).__name__}")
-    if not isinstance(doc, Mapping) or doc.get("format") != ROUTING_FORMAT:
-        raise ValueError(f"{name}: not a Tiers routing file (expected \"format\": {ROUTING_FORMAT!r}; write one with tiers.save_routing)")
-    if doc.get("version") != ROUTING_VERSION:
-        raise ValueError(f"{name}: version {doc.get('version')!r} is not supported (expected {ROUTING_VERSION})")
-    counts = doc.get("counts")
-    if not isinstance(counts, Mapping):
-        raise ValueError(f"{name}: \"counts\" must map each layer to its experts' lookup counts, got {type(counts).__name__}")
-    out: dict[int, list[float]] = {}
-    for key, row in counts.items():
-        try:
-            layer = int(key)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name}: counts key {key!r} is not a layer index") from None
-        if layer not in manifest.layers:
-            raise ValueError(f"{name}: layer {layer} is not a MoE layer of {str(manifest.root)!r} (its MoE layers: {sorted(manifest.layers)})")
-        n = manifest.layers[layer].layout.num_experts
-        if not isinstance(row, Sequence) or isinstance(row, str) or len(row) != n:
-            got = len(row) if isinstance(row, Sequence) and not isinstance(row, str) else type(row).__name__
-            raise ValueError(f"{name}: layer {layer} has {n} experts in the checkpoint, the file counts {got}")
-        for e, c in enumerate(row):
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
-                raise ValueError(f"{name}: layer {layer}, expert {e}: expected a count >= 0, got {c!r}")
-        out[layer] = [float(c) for c in row]
-    if not any(c > 0 for row in out.values() for c in row):
-        raise ValueError(f"{name}: counts no lookups; it cannot rank the experts")
-    return out
 
 
 def _check_precision(manifest: Manifest, key: str, precision: str) -> None:

@@ -31,6 +31,9 @@ def describe(path: str) -> dict:
         out["layers"].append(row)
     out["experts"] = sum(r["experts"] for r in out["layers"])
     out["dense_bytes"] = sum(f["nbytes"] for f in m.dense_files.values())
+    prior = m.routing_prior
+    out["routing_prior"] = None if prior is None else {
+        "layers": sorted(prior), "lookups": int(sum(sum(row) for row in prior.values()))}
     return out
 
 
@@ -55,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{info['path']}: {info['model_type']}, {info['experts']} experts in {len(info['layers'])} MoE layers, "
           f"precisions {info['precisions']}, dense {info['dense_bytes'] / 2**20:.1f} MiB")
+    prior = info["routing_prior"]
+    print("routing prior: none (loads without a routing file place experts round-robin over layers)" if prior is None else
+          f"routing prior: {prior['lookups']} lookups over MoE layers {prior['layers']} (loads without a routing file rank by it)")
     print(f"{'layer':>5}  {'experts':>7}  " + "  ".join(f"{p + ' KiB':>10} {p + ' dB':>8}" for p in info["precisions"]))
     for r in info["layers"]:
         cells = []

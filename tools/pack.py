@@ -1,6 +1,8 @@
 """tiers-pack: convert a Hugging Face MoE checkpoint directory into the packed tier format.
 
-    python tools/pack.py SRC DST [--config tiers.yaml] [--precisions bf16,int8] [--overwrite]
+    python tools/pack.py SRC DST [--config tiers.yaml] [--precisions bf16,int8] [--routing routing.json] [--overwrite]
+    python tools/pack.py PACKED --set-routing routing.json     # embed a routing prior in an existing pack
+    python tools/pack.py PACKED --clear-routing                # remove it
 """
 import os
 import sys
@@ -12,26 +14,47 @@ if __name__ == "__main__":  # run as a script: import the repo's packages, not t
 import argparse  # noqa: E402
 
 from loader.pack import DEFAULT_PRECISIONS, pack  # noqa: E402
+from loader.packed import set_routing_prior  # noqa: E402
 from tiers.config import load_config, precisions_needed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tiers-pack", description=__doc__.splitlines()[0])
-    ap.add_argument("src", help="directory written by transformers' save_pretrained")
-    ap.add_argument("dst", help="output directory (created atomically)")
+    ap.add_argument("src", help="directory written by transformers' save_pretrained (with --set-routing or --clear-routing: "
+                    "a packed checkpoint)")
+    ap.add_argument("dst", nargs="?", help="output directory (created atomically)")
     ap.add_argument("--config", help="tiers YAML: pack the precisions it names (plus bf16)")
     ap.add_argument("--precisions", help=f"comma-separated precisions (default: {','.join(DEFAULT_PRECISIONS)})")
     ap.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--device", default="cpu", help="where to quantize experts: cpu (default) or cuda (faster for large models)")
+    ap.add_argument("--routing", metavar="FILE", help="a routing file (tiers.save_routing) to embed as the routing prior, "
+                    "which ranks the experts for the hot and warm sets of loads given no routing file")
+    ap.add_argument("--set-routing", metavar="FILE", help="embed FILE as the routing prior of the packed checkpoint SRC "
+                    "(its manifest is replaced whole; nothing is re-packed)")
+    ap.add_argument("--clear-routing", action="store_true", help="remove the routing prior of the packed checkpoint SRC")
     args = ap.parse_args(argv)
+    if args.set_routing or args.clear_routing:
+        if args.dst or args.routing or args.set_routing and args.clear_routing:
+            ap.error("--set-routing and --clear-routing take one packed checkpoint and nothing else to pack")
+        try:
+            manifest = set_routing_prior(args.src, None if args.clear_routing else args.set_routing)
+        except ValueError as e:
+            print(f"tiers-pack: error: {e}", file=sys.stderr)
+            return 2
+        what = "removed" if manifest.routing_prior is None else f"embedded, counting {len(manifest.routing_prior)} MoE layers"
+        print(f"{manifest.root}: routing prior {what}")
+        return 0
+    if not args.dst:
+        ap.error("the following arguments are required: dst")
     precisions = list(DEFAULT_PRECISIONS)
     if args.config:
         precisions = precisions_needed(load_config(args.config))
     if args.precisions:
         precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
     try:
-        summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device)
+        summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device,
+                       routing=args.routing)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
         print(f"tiers-pack: error: {e}", file=sys.stderr)
         return 2

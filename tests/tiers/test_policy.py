@@ -311,13 +311,21 @@ def test_round_robin_gives_layers_equal_shares(manifest):
         assert max(per_layer) - min(per_layer) <= 1 and sum(per_layer) == len(p.hot)
 
 
-def test_routing_prior_orders_hot_first(manifest):
-    freq = {str(L): [0.0] * 8 for L in (0, 1, 2)}
-    freq["2"][7], freq["0"][5], freq["1"][3] = 0.9, 0.8, 0.7
-    m = dataclasses.replace(manifest, routing_prior={"frequency": freq})
+def test_routing_prior_orders_hot_first_and_a_routing_file_overrides_it(manifest):
+    """The manifest's routing prior (counts per layer, as a routing file's) ranks by each expert's
+    share of its layer's lookups: 0.9, 0.8 and 0.7 here, the rest 0.3 at most. Counts passed to
+    the load (a routing file) rank instead of the prior."""
+    counts = {L: [0.0] * 8 for L in (0, 1, 2)}
+    counts[2][7], counts[2][0] = 9.0, 1.0
+    counts[0][5], counts[0][1] = 8.0, 2.0
+    counts[1][3], counts[1][2] = 7.0, 3.0
+    m = dataclasses.replace(manifest, routing_prior=counts)
     cfg = parse_config({"tiers": {"gpu": {"budget": 3 * 36864 + 2 * (36864 + 20480), "staging_slots": 2}, "cpu": {"fraction": 0.1}}})
-    p = plan_placement(cfg, m)
-    assert p.hot == (ExpertKey(0, 5), ExpertKey(1, 3), ExpertKey(2, 7))
+    assert plan_placement(cfg, m).hot == (ExpertKey(0, 5), ExpertKey(1, 3), ExpertKey(2, 7))
+    file_counts = {L: [1.0] * 8 for L in (0, 1, 2)}
+    file_counts[1][6] = 100.0
+    assert ExpertKey(1, 6) in plan_placement(cfg, m, file_counts).hot
+    assert ExpertKey(1, 6) not in plan_placement(cfg, m).hot
 
 
 def test_counts_deepseek_v3_moe_layers_from_1(packed_factory):

@@ -6,16 +6,18 @@ rebalancer would have taken it. Bad files are refused with the file and the offe
 """
 import json
 import math
+import shutil
 
 import pytest
 import torch
 
 import tiers
 from loader.layout import ExpertKey
-from loader.packed import read_manifest
+from loader.packed import read_manifest, set_routing_prior
 from tests.conftest import devices
 from tiers.integration import manager_of
-from tiers.policy import preference_order, read_routing, routing_document, write_routing
+from loader.routing import read_routing, routing_document, write_routing
+from tiers.policy import preference_order
 
 REBALANCING = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.75, "precision": "int8"},
                          "rebalance": {"every_tokens": 2}}}
@@ -148,3 +150,30 @@ def test_writing_a_routing_file_replaces_it_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["routing.json"]  # no partial file left
     with pytest.raises(ValueError, match="is a directory"):
         write_routing({}, tmp_path)
+
+
+def test_a_packed_routing_prior_ranks_a_load_given_no_routing_file(packed_factory, tmp_path):
+    """A checkpoint whose manifest embeds a routing prior loads with the hot and warm sets a
+    routing file of the same counts gives (not round-robin's); a routing file named at load
+    ranks instead of the prior."""
+    config = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.5, "precision": "int8"}}}
+    plain = packed_factory("qwen3_moe")
+    manifest = read_manifest(plain)
+    prior = routing_document({L: [1] * (e.layout.num_experts - 1) + [30] for L, e in manifest.layers.items()}, tokens=30)
+    other = routing_document({L: [30] + [1] * (e.layout.num_experts - 1) for L, e in manifest.layers.items()}, tokens=30)
+    packed = tmp_path / "packed"
+    shutil.copytree(plain, packed)
+    set_routing_prior(packed, prior)
+
+    def placed(path, **kw):
+        model = tiers.load(path, config, device="cpu", progress=False, **kw)
+        p = manager_of(model).placement
+        manager_of(model).close()
+        return set(p.hot), set(p.warm)
+
+    with_prior = placed(packed)
+    assert with_prior == placed(plain, routing=prior)
+    assert with_prior != placed(plain)
+    last = {ExpertKey(L, e.layout.num_experts - 1) for L, e in manifest.layers.items()}
+    assert last <= with_prior[0]  # each layer's most counted expert is hot
+    assert placed(packed, routing=other) == placed(plain, routing=other) != with_prior

@@ -90,6 +90,43 @@ def test_pack_main_bad_config_and_source(tmp_path, capsys, checkpoint_factory):
     assert not (tmp_path / "out").exists()
 
 
+def test_pack_main_routing_prior_at_pack_time_then_set_and_cleared(checkpoint_factory, tmp_path, capsys):
+    """--routing embeds a routing file when packing; --set-routing and --clear-routing change an
+    existing pack's prior; tiers-inspect shows it; a bad file is refused naming it."""
+    src = checkpoint_factory(MODEL)
+    doc = {"format": "tiers-routing", "version": 1, "tokens": 5, "counts": {"1": [0, 0, 7, 0, 0, 0, 0, 3]}}
+    good, bad = tmp_path / "routing.json", tmp_path / "bad.json"
+    good.write_text(json.dumps(doc))
+    bad.write_text(json.dumps(doc | {"counts": {"7": [1] * 8}}))
+    dst = tmp_path / "packed"
+    assert pack_cli.main([str(src), str(dst), "--quiet", "--routing", str(good)]) == 0
+    assert "routing prior: embedded" in capsys.readouterr().out
+    assert read_manifest(dst).routing_prior == {1: [0.0, 0.0, 7.0, 0.0, 0.0, 0.0, 0.0, 3.0]}
+    assert inspect_cli.main([str(dst)]) == 0
+    assert "routing prior: 10 lookups over MoE layers [1]" in capsys.readouterr().out
+
+    assert pack_cli.main([str(dst), "--clear-routing"]) == 0
+    assert f"{dst}: routing prior removed" in capsys.readouterr().out
+    assert read_manifest(dst).routing_prior is None
+    assert pack_cli.main([str(dst), "--set-routing", str(good)]) == 0
+    assert "routing prior embedded, counting 1 MoE layers" in capsys.readouterr().out
+    assert read_manifest(dst).routing_prior[1][2] == 7.0
+
+    before = (dst / "manifest.json").read_bytes()
+    assert pack_cli.main([str(dst), "--set-routing", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "tiers-pack: error:" in err and str(bad) in err and "layer 7 is not a MoE layer" in err
+    assert (dst / "manifest.json").read_bytes() == before
+    assert pack_cli.main([str(src), str(tmp_path / "other"), "--quiet", "--routing", str(bad)]) == 2
+    assert str(bad) in capsys.readouterr().err and not (tmp_path / "other").exists()
+    with pytest.raises(SystemExit):  # an argument error: nothing to pack in this mode
+        pack_cli.main([str(src), str(dst), "--set-routing", str(good)])
+    assert "take one packed checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pack_cli.main([str(src)])
+    assert "required: dst" in capsys.readouterr().err
+
+
 # -- tiers-inspect ---------------------------------------------------------------------------
 def _layer_rows(out: str) -> list[list[str]]:
     return [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
@@ -102,7 +139,8 @@ def test_inspect_main_prints_layer_rows(packed_factory, capsys):
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].startswith(f"{packed}: {MODEL}, 24 experts in 3 MoE layers")
-    assert "bf16 KiB" in lines[1] and "int8 dB" in lines[1]
+    assert lines[1].startswith("routing prior: none")
+    assert "bf16 KiB" in lines[2] and "int8 dB" in lines[2]
     rows = _layer_rows(out)
     assert [r[0] for r in rows] == ["0", "1", "2"]
     m = read_manifest(packed)
@@ -132,6 +170,7 @@ def test_inspect_main_json_parses(packed_factory, capsys):
         assert r["min_sqnr_db"]["bf16"] is None and r["min_sqnr_db"]["int8"] > 30
     m = read_manifest(packed)
     assert info["dense_bytes"] == sum(f["nbytes"] for f in m.dense_files.values()) > 0
+    assert info["routing_prior"] is None
 
 
 @pytest.mark.parametrize("kind", ["empty_dir", "hf_checkpoint", "missing"])
