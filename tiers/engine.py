@@ -307,6 +307,10 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                     self.static_views[L] = {n: slab[slots[0] : slots[0] + len(slots)] for n, slab in pool.slabs.items()}
         self._static_hits = torch.zeros((), dtype=torch.long, device=device)  # lookups on static layers, counted on the device
         self._static_host_hits = 0  # ... and those of one-token calls, counted on the host
+        # ... with each call's distinct experts marked in a row of its layer's marks first, summed
+        # into _static_hits when the rows run out or the stats are read (``_fold_static``)
+        self._static_marks: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._static_row: dict[int, int] = {}
         self.first_layer = min((L for L in manifest.layers if L not in self.static_maps), default=None)
         # after a long forward's call at this layer is queued, its earlier whole-layer calls count
         # (``settle_after``); None: only at the next call that waits, at stats, or once too many wait
@@ -950,10 +954,29 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         if top_k_index.shape[0] == 1:  # decode: no kernel launches on the host-bound path
             self._static_host_hits += top_k_index.shape[-1]
             return
-        n = self.manifest.layers[layer].layout.num_experts
-        used = torch.zeros(n + 1, dtype=torch.long, device=top_k_index.device)
-        used.index_fill_(0, top_k_index.reshape(-1), 1)
-        self._static_hits += used[:n].sum()
+        marks = self._static_marks.get(layer)
+        if marks is None:
+            n = self.manifest.layers[layer].layout.num_experts
+            slab = torch.zeros(self.STATIC_MARK_ROWS, n + 1, dtype=torch.bool, device=top_k_index.device)  # column n: the sentinel
+            marks = self._static_marks[layer] = (slab, list(slab.unbind(0)))
+        r = self._static_row.get(layer, 0)
+        marks[1][r].index_fill_(0, top_k_index.reshape(-1), True)  # one kernel per call
+        self._static_row[layer] = r + 1
+        if r + 1 == self.STATIC_MARK_ROWS:
+            self._fold_static(layer)
+
+    # A prefill's static layer call costs one kernel launch to count (its row's marks) instead of
+    # a buffer's fill, the marks and a sum each time: on a host-bound prefill each launch shows
+    STATIC_MARK_ROWS = 64
+
+    def _fold_static(self, layer: int | None = None) -> None:
+        """Add the marked rows of ``layer`` (every layer: None) to the device count, and clear them."""
+        for L in [layer] if layer is not None else list(self._static_marks):
+            slab, _ = self._static_marks[L]
+            if self._static_row.get(L, 0):
+                self._static_hits += slab[: self._static_row[L], :-1].sum()
+                slab.zero_()
+                self._static_row[L] = 0
 
     def acquire_layer(self, layer: int, experts: list[int]) -> list[Handle] | None:
         """Hold all of ``experts`` at once (staging the misses), or None (holding nothing) if the
@@ -1035,6 +1058,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         """Start counting afresh: the collector's counters and the static layers' hits."""
         self.settle()  # calls made before count before
         self.stats_.reset()
+        self._fold_static()
         self._static_hits.zero_()
         self._static_host_hits = 0
         self.reset_direct()
@@ -1044,6 +1068,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
     def stats(self) -> TierStats:
         self.settle()
         self.stats_.resolve()
+        self._fold_static()
         static = int(self._static_hits.item()) + self._static_host_hits
         direct_gpu, direct_cpu, direct_bytes = self.direct_served()
         m = self.manifest

@@ -396,6 +396,33 @@ def test_all_hot_layers_take_the_static_path(device, checkpoint_factory, packed_
     assert tiers.stats(model).hits["gpu"] == sum(seen[-len(mgr.static_maps):])
 
 
+def test_static_hits_count_each_calls_distinct_experts_across_folds(device, packed_factory):
+    """A static layer's calls mark their distinct experts in rows that are summed when the rows
+    run out or the stats are read: over more calls than rows, with resets between, the count is
+    the sum of each call's distinct experts (the sentinel id, expert parallelism's, not counted)."""
+    model = tiers.load(packed_factory("qwen3_moe"), {"tiers": {"gpu": {"fraction": 1.0}}}, device=device, progress=False)
+    mgr = manager_of(model)
+    layers = sorted(mgr.static_maps)
+    n = mgr.manifest.layers[layers[0]].layout.num_experts
+    rng = torch.Generator().manual_seed(0)
+    rows = mgr.STATIC_MARK_ROWS
+    expected = 0
+    mgr.reset_stats()
+    for call in range(3 * rows + 37):
+        L = layers[call % 3 == 0]  # two thirds of the calls to one layer: each layer folds at its own pace
+        T = int(torch.randint(2, 9, (1,), generator=rng))
+        idx = torch.randint(0, n + 1, (T, 2), generator=rng)  # n: the sentinel
+        mgr.count_static(L, idx.to(device))
+        expected += len(set(idx.reshape(-1).tolist()) - {n})
+        if call == 2 * rows + 5:  # the first layer's rows have run out once, then 25 more calls
+            assert tiers.stats(model).hits["gpu"] == expected  # mid-row: the pending rows count
+        if call == 2 * rows + 20:
+            mgr.reset_stats()  # pending rows are dropped with the rest
+            expected = 0
+    assert tiers.stats(model).hits["gpu"] == expected
+    assert tiers.stats(model).hits["gpu"] == expected  # reading folds nothing twice
+
+
 def test_missing_config_json_is_named(tmp_path, packed_factory):
     import shutil
 
