@@ -14,6 +14,7 @@ manifest's (offset, nbytes) of a blob can be read with one pread or mmap slice.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from collections.abc import Mapping
@@ -85,6 +86,21 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
 
 
 def read_manifest(path: str | Path) -> Manifest:
+    """The packed checkpoint at ``path``, its manifest checked (a routing prior included)."""
+    manifest, prior = _read_manifest(path)
+    if prior is None:
+        return manifest
+    mpath = manifest.root / MANIFEST
+    try:
+        counts = check_routing(prior, manifest.experts_per_layer, f"{mpath}: routing_prior", str(manifest.root))
+    except ValueError as e:
+        raise ValueError(f"{e} (replace it with `python tools/pack.py {manifest.root} --set-routing FILE`, "
+                         f"or remove it with `--clear-routing`)") from None
+    return dataclasses.replace(manifest, routing_prior=counts)
+
+
+def _read_manifest(path: str | Path) -> tuple[Manifest, object]:
+    """The manifest without its routing prior, and the prior as the file holds it (unchecked)."""
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"packed checkpoint {str(root)!r} is not a directory")
@@ -117,10 +133,6 @@ def read_manifest(path: str | Path) -> Manifest:
         if len(experts) != layout.num_experts:
             raise ValueError(f"{mpath}: layer {entry['layer']} lists {len(experts)} experts, layout says {layout.num_experts}")
         layers[int(entry["layer"])] = LayerEntry(int(entry["layer"]), entry["module"], layout, blobs, experts)
-    prior = m.get("routing_prior")
-    if prior is not None:
-        experts_per_layer = {L: entry.layout.num_experts for L, entry in layers.items()}
-        prior = check_routing(prior, experts_per_layer, f"{mpath}: routing_prior", str(root))
     return Manifest(
         root=root,
         model_type=m["model_type"],
@@ -130,8 +142,8 @@ def read_manifest(path: str | Path) -> Manifest:
         dense_files=m["dense"]["files"],
         pack=m.get("pack", {}),
         skipped_keys=tuple(m.get("skipped_keys", [])),
-        routing_prior=prior,
-    )
+        routing_prior=None,
+    ), m.get("routing_prior")
 
 
 def manifest_json(
@@ -167,8 +179,9 @@ def set_routing_prior(path: str | Path, routing: str | Path | Mapping | None) ->
     ``path`` as its routing prior, or remove the prior with ``None``, and return the manifest as
     it now reads. The document is checked against the checkpoint's MoE layers first; the manifest
     is then replaced whole (a temporary file beside it, renamed over it), so it is always either
-    the old manifest or the new one. Nothing else in the checkpoint changes."""
-    manifest = read_manifest(path)
+    the old manifest or the new one. Nothing else in the checkpoint changes. The prior it replaces
+    need not be valid."""
+    manifest, _ = _read_manifest(path)
     mpath = manifest.root / MANIFEST
     prior = None if routing is None else routing_prior(routing, manifest.experts_per_layer, str(manifest.root))
     m = json.loads(mpath.read_text())

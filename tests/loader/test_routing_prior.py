@@ -116,7 +116,7 @@ def test_a_failed_manifest_write_leaves_the_old_manifest_whole(packed_copy, monk
     assert sorted(p.name for p in packed_copy.iterdir()) == names
 
 
-def test_a_bad_embedded_prior_is_refused_at_read_naming_the_manifest(packed_copy):
+def test_a_bad_embedded_prior_is_refused_at_read_naming_the_manifest_and_can_be_replaced(packed_copy):
     m = json.loads((packed_copy / MANIFEST).read_text())
     manifest = read_manifest(packed_copy)
     doc = routing_document(_counts(manifest), tokens=1)
@@ -124,5 +124,12 @@ def test_a_bad_embedded_prior_is_refused_at_read_naming_the_manifest(packed_copy
     doc["counts"][str(L)][4] = "many"
     m["routing_prior"] = doc
     (packed_copy / MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(ValueError, match=rf"manifest\.json: routing_prior: layer {L}, expert 4: expected a count >= 0, got 'many'"):
+    with pytest.raises(ValueError, match=rf"manifest\.json: routing_prior: layer {L}, expert 4: expected a count >= 0, got 'many'") as e:
         read_manifest(packed_copy)
+    assert "--clear-routing" in str(e.value) and "--set-routing" in str(e.value)  # how to mend it
+    # a bad prior can be replaced or removed: the rest of the manifest reads without it
+    assert set_routing_prior(packed_copy, routing_document(_counts(manifest), tokens=2)).routing_prior is not None
+    m["routing_prior"] = {"format": "something-else"}
+    (packed_copy / MANIFEST).write_text(json.dumps(m))
+    assert set_routing_prior(packed_copy, None).routing_prior is None
+    assert read_manifest(packed_copy).routing_prior is None
