@@ -87,7 +87,8 @@ def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
 
 def read_manifest(path: str | Path) -> Manifest:
     """The packed checkpoint at ``path``, its manifest checked (a routing prior included)."""
-    manifest, prior = _read_manifest(path)
+    manifest, raw = _read_manifest(path)
+    prior = raw.get("routing_prior")
     if prior is None:
         return manifest
     mpath = manifest.root / MANIFEST
@@ -99,8 +100,9 @@ def read_manifest(path: str | Path) -> Manifest:
     return dataclasses.replace(manifest, routing_prior=counts)
 
 
-def _read_manifest(path: str | Path) -> tuple[Manifest, object]:
-    """The manifest without its routing prior, and the prior as the file holds it (unchecked)."""
+def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
+    """The manifest without its routing prior, and the manifest's JSON as the file holds it (the
+    prior there unchecked)."""
     root = Path(path)
     if not root.is_dir():
         raise ValueError(f"packed checkpoint {str(root)!r} is not a directory")
@@ -143,7 +145,7 @@ def _read_manifest(path: str | Path) -> tuple[Manifest, object]:
         pack=m.get("pack", {}),
         skipped_keys=tuple(m.get("skipped_keys", [])),
         routing_prior=None,
-    ), m.get("routing_prior")
+    ), m
 
 
 def manifest_json(
@@ -181,10 +183,7 @@ def set_routing_prior(path: str | Path, routing: str | Path | Mapping | None) ->
     is then replaced whole (a temporary file beside it, renamed over it), so it is always either
     the old manifest or the new one. Nothing else in the checkpoint changes. The prior it replaces
     need not be valid."""
-    manifest, _ = _read_manifest(path)
-    mpath = manifest.root / MANIFEST
-    prior = None if routing is None else routing_prior(routing, manifest.experts_per_layer, str(manifest.root))
-    m = json.loads(mpath.read_text())
-    m["routing_prior"] = prior
-    write_json(m, mpath, indent=1)
+    manifest, m = _read_manifest(path)
+    m["routing_prior"] = None if routing is None else routing_prior(routing, manifest.experts_per_layer, str(manifest.root))
+    write_json(m, manifest.root / MANIFEST, indent=1)
     return read_manifest(path)
