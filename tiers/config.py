@@ -24,6 +24,7 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+HOST_COMPUTE_PRECISIONS = ("bf16", "int8")  # warm tiers the host can compute from (tiers.cpu.compute)
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -55,6 +56,11 @@ class CpuTier:
     # the GPU decodes small experts straight out of this pool (CUDA with Triton; see tiers.direct):
     # direct decode and direct stacks; false: every miss is copied up, then dequantized
     direct_reads: bool = True
+    # in generate's decode stage, compute one token's warm misses on the host's cores instead of
+    # copying every one up: each call's misses are split between the copy engine and the cores so
+    # that both finish soonest (tiers.host_compute); bf16 or int8 warm tier, experts without biases
+    compute: bool = False
+    compute_threads: int = 0  # intra-op threads of that work; 0: every core but one beside a GPU (torch's count on a CPU device)
 
 
 @dataclass(frozen=True)
@@ -148,7 +154,7 @@ def parse_config(doc: Any) -> TiersConfig:
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
     g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs",
                                                      "prefill_graphs"})
-    c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads"})
+    c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads", "compute", "compute_threads"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads", "direct_io"})
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
@@ -173,7 +179,13 @@ def parse_config(doc: Any) -> TiersConfig:
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))
     cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision),
-                  _flag(c, "tiers.cpu", "direct_reads", d.cpu.direct_reads))
+                  _flag(c, "tiers.cpu", "direct_reads", d.cpu.direct_reads), _flag(c, "tiers.cpu", "compute", d.cpu.compute),
+                  _int_in(c, "tiers.cpu", "compute_threads", d.cpu.compute_threads, 0, 1024))
+    if cpu.compute and cpu.precision not in HOST_COMPUTE_PRECISIONS:
+        raise ValueError(f"tiers.cpu.compute: the host computes bf16 or int8 experts, not {cpu.precision!r} "
+                         f"(tiers.cpu.precision); allowed: {list(HOST_COMPUTE_PRECISIONS)}")
+    if cpu.compute and compute != "grouped":
+        raise ValueError(f"tiers.cpu.compute: needs tiers.gpu.compute: grouped, got {compute!r}")
     readers = n.get("reader_threads", d.nvme.reader_threads)
     if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers <= 64:
         raise ValueError(f"tiers.nvme.reader_threads: expected an integer in [0, 64], got {readers!r}")

@@ -45,6 +45,7 @@ from tiers.streamed import StreamedCalls
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
 from tiers.h2d import copy_batch
+from tiers.host_compute import COPY_BYTES_PER_S, HostCompute, split
 from tiers.cache import LruSlots, make_cache
 from tiers import policy
 from tiers.policy import Placement
@@ -319,6 +320,11 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             Rebalancer(self, cfg.rebalance, threads=min(2, cfg.nvme.reader_threads)) if rebalancing else None
         )
         self._init_direct(cfg.cpu.direct_reads)
+        # tiers.cpu.compute: decode calls route on the host, so that their warm misses can be
+        # computed there (direct decode never brings its picks back)
+        self.host_compute: HostCompute | None = None  # made at the first call it can take (its hidden size and dtype)
+        if cfg.cpu.compute:
+            self.direct_decode = False
         # generate's decode stage replays direct and static layers' experts calls as CUDA graphs
         self.graphs = DecodeGraphs(device, cfg.gpu.decode_graphs and device.type == "cuda")
         self.streamed_calls = True  # long calls of warm misses stream part by part (tiers.streamed)
@@ -1053,6 +1059,54 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             for h in ([current] if current is not None else []) + [h for _, h in ready]:
                 self.release(h)
 
+    # -- host compute (tiers.cpu.compute) ---------------------------------------------------
+    def host_compute_for(self, hidden_states: torch.Tensor, top_k: int) -> HostCompute | None:
+        """The host compute worker when this call may use it (generate's decode stage, one
+        token, ``tiers.cpu.compute`` on), else None."""
+        if not self.cfg.cpu.compute or not self.decoding or hidden_states.shape[0] != 1:
+            return None
+        hc = self.host_compute
+        if hc is None or hc.x.shape[1] != hidden_states.shape[1] or hc.x.dtype != hidden_states.dtype or hc.w.shape[1] < top_k:
+            if hc is not None:
+                hc.close()
+            hc = self.host_compute = HostCompute(hidden_states.shape[1], hidden_states.dtype, self.device, top_k,
+                                                 self.cfg.cpu.compute_threads)
+        return hc
+
+    def host_picks(self, layer: int, picks: list[int]) -> list[int]:
+        """The positions among one token's ``picks`` that the host computes: warm experts in no GPU
+        slot, split with the call's other misses (copied up) by ``tiers.host_compute.split``."""
+        hc = self.host_compute
+        positions, sizes, busy = [], [], 0.0
+        for pos, e in enumerate(picks):
+            key = ExpertKey(layer, e)
+            r = self.table[key]
+            if r.slot is not None:  # hot, cached, or being read into a slot
+                continue
+            nbytes = self.manifest.ref(key, self._precision_of(r)).nbytes
+            if r.home is Home.CPU:
+                positions.append(pos)
+                sizes.append(nbytes)
+            else:
+                busy += nbytes / COPY_BYTES_PER_S
+        chosen = split(sizes, busy, hc.rate)
+        return [p for p, c in zip(positions, chosen) if c]
+
+    def host_views(self, layer: int, expert: int) -> tuple[dict, int]:
+        """A warm expert's prepared field views in the host pool, and its bytes; counted as a
+        lookup the cpu tier served (it moves nothing)."""
+        key = ExpertKey(layer, expert)
+        r = self.table[key]
+        assert r.home is Home.CPU and r.slot is None, f"{key} is not a warm miss"
+        precision = self.cfg.cpu.precision
+        blob = self.manifest.blob(key, precision)
+        pool = self.pool_of[layer]
+        self.cache[id(pool)].access(key)
+        if self.recorded is not None:
+            self.recorded.append(key)
+        self.stats_.lookup("cpu")
+        return self._views(blob, self._warm_view(r.host_offset, blob.nbytes)), blob.nbytes
+
     # -- reporting -------------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Start counting afresh: the collector's counters and the static layers' hits."""
@@ -1062,6 +1116,8 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._static_hits.zero_()
         self._static_host_hits = 0
         self.reset_direct()
+        if self.host_compute is not None:
+            self.host_compute.reset()
         self.graphs.reset_counts()
         self.whole_graphs.reset_counts()
 
@@ -1106,12 +1162,15 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},
             graphs=self.graphs.counts(),
             whole_graphs=self.whole_graphs.counts(),
+            host_compute=self.host_compute.report() if self.host_compute is not None else {"on": int(self.cfg.cpu.compute)},
         )
 
     def close(self) -> None:
         self.settle()
         if self.rebalancer is not None:
             self.rebalancer.close()
+        if self.host_compute is not None:
+            self.host_compute.close()
         if self.reader_threads is not None:
             self.reader_threads.shutdown(wait=True)
             self.drain()

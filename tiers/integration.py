@@ -42,6 +42,7 @@ from loader.routing import read_routing, routing_document, write_routing
 from loader.skeleton import build_skeleton
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
+from tiers import host_compute
 from tiers.engine import Streams, TierManager
 from tiers.policy import plan_placement
 from tiers.stats import TierStats
@@ -253,12 +254,59 @@ def tiers_grouped_experts_forward(
                 return batched_mm_experts_forward(proxy, h, ids, w)
             return mgr.graphs.run(("direct", binding.layer), (ids, *pool.slabs.values()), step, (hidden_states, top_k_weights))
         noted = True  # the rebalancer moved an expert of this layer to disk: the host-routed path, already noted
+    host = mgr.host_compute_for(hidden_states, top_k_index.shape[-1])
+    if host is not None:  # the token comes down with the routing sync, in case the host computes some picks
+        host.stage(hidden_states, top_k_weights.float())
     with torch.no_grad():
         hit, counts, picks = _route(self, binding, hidden_states, top_k_index)
     mgr.begin_call(binding.layer, hit, hidden_states.shape[0], noted=noted)
     mgr.note_share(binding.layer, hit, *top_k_index.shape)
     if not hit:  # no routed expert: grouped_mm would leave every row unwritten
         return torch.zeros_like(hidden_states)
+    if host is not None and picks is not None:
+        on_host = mgr.host_picks(binding.layer, picks)
+        if on_host:
+            return _split_call(self, binding, host, on_host, hidden_states, top_k_index, top_k_weights, picks)
+    return _host_routed(self, binding, hidden_states, top_k_index, top_k_weights, hit, counts, picks)
+
+
+def _split_call(self, binding: LayerBinding, host, on_host: list[int], hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, picks: list[int]) -> torch.Tensor:
+    """One decode token whose picks at ``on_host`` (positions) the host computes
+    (``tiers.cpu.compute``) while the GPU serves the others: the host's work is handed to its
+    worker first, then the GPU's call is queued as a call of only its own picks, then the host's
+    sum is added to its output."""
+    mgr = binding.manager
+    layer = binding.layer
+    work = [(pos, *mgr.host_views(layer, picks[pos])) for pos in on_host]
+    future = host.submit(self, work)
+    keep = [p for p in range(len(picks)) if p not in set(on_host)]
+    if not keep:
+        return host.finish(future, torch.zeros_like(hidden_states))
+    sel = _positions(tuple(keep), top_k_index.device)
+    kept = [picks[p] for p in keep]
+    counts = [0] * (self.num_experts + 1)
+    for e in kept:
+        counts[e] += 1
+    hit = [e for e in range(self.num_experts) if counts[e]]
+    try:
+        out = _host_routed(self, binding, hidden_states, top_k_index[:, sel], top_k_weights[:, sel], hit, counts, kept)
+    except BaseException:
+        future.exception()  # the worker reads the host pool: let it finish before anything moves
+        raise
+    return host.finish(future, out)
+
+
+@functools.lru_cache(maxsize=None)
+def _positions(keep: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The kept picks' positions as an index on ``device``, made once per set of positions."""
+    return torch.tensor(keep, dtype=torch.int64, device=device)
+
+
+def _host_routed(self, binding: LayerBinding, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 hit: list[int], counts: list[int], picks: list[int] | None) -> torch.Tensor:
+    """A call whose routing the host has read: streamed, in parts, or all its experts held at once."""
+    mgr = binding.manager
     pool = mgr.pool_of[binding.layer]
     need = sum(not mgr.table[ExpertKey(binding.layer, e)].pinned for e in hit)
     staging = pool.n_slots - mgr.hot_count[id(pool)]
@@ -816,6 +864,10 @@ def load(
         if discover_layout(mod) != entry.layout or name != entry.module:
             raise ValueError(f"{str(manifest.root)!r}: layer {layer} ({name}) does not match the packed layout; re-pack")
         expert_params |= {f"{name}.{t.name}" for t in entry.layout.tensors}
+        why = host_compute.supported(mod) if cfg.cpu.compute else None
+        if why is not None:
+            raise ValueError(f"tiers.cpu.compute: the host cannot compute layer {layer}'s experts ({name}, {type(mod).__name__}): {why}; "
+                             "set tiers.cpu.compute: false")
     _load_dense(model, manifest, expert_params, dev)
     manager = TierManager(manifest, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
     order = sorted(modules)

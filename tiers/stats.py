@@ -36,6 +36,8 @@ class TierStats:
     graphs: dict[str, int] = field(default_factory=dict)
     # the same for whole-layer calls' plans and windows (TierManager.whole_graphs)
     whole_graphs: dict[str, int] = field(default_factory=dict)
+    # on (0/1); once used: threads, experts, bytes, seconds, rate_gbps: decode misses computed on the host (tiers.host_compute)
+    host_compute: dict[str, float] = field(default_factory=dict)
 
     @property
     def gpu_hit_rate(self) -> float:
@@ -66,6 +68,7 @@ class TierStats:
             "streamed": dict(self.streamed),
             "graphs": dict(self.graphs),
             "whole_graphs": dict(self.whole_graphs),
+            "host_compute": dict(self.host_compute),
         }
 
     def __str__(self) -> str:
@@ -113,6 +116,10 @@ class TierStats:
             if g.get("replayed") or g.get("failed"):
                 lines.append(f"  their plans and windows: {g['replayed']} replayed from {g['graphs']} graphs ({g['captured']} captured, "
                              f"{g['eager']} eager, {g['failed']} captures failed)")
+        if self.host_compute.get("experts"):
+            h = self.host_compute
+            lines.append(f"host compute: {h['experts']} warm misses computed on {h['threads']} host threads "
+                         f"({h['bytes'] / mib:.1f} MiB read in {h['seconds'] * 1e3:.1f} ms, {h['rate_gbps']:.1f} GB/s now)")
         if self.rebalance:
             r = self.rebalance
             lines.append(

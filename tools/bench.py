@@ -13,7 +13,9 @@ layers, by default), saves and packs it, then measures each arm in one run:
   the rest warm in pinned RAM (INT8 or bf16); ``tiers_0_<precision>`` holds only the staging
   slots, the same GPU budget for experts as the lazy and accelerate arms; ``tiers_100_*`` is
   timed over at least ``STATIC_ARM_REPS`` repetitions, since it differs from all-GPU by less than
-  the host's drift across two;
+  the host's drift across two; ``tiers_<gpu%>_<precision>+host``: the same with
+  ``tiers.cpu.compute`` on (decode's warm misses split between the copy engine and the host's
+  cores; not in ``all``);
 - ``<arm>@skewed``: the same arm routed by a skewed, sticky trace (``tools.routing``), with the
   rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off;
   ``<tiers arm>@skewed_routed``: the rebalancer on, loaded with the routing its ``@skewed`` arm
@@ -63,6 +65,7 @@ STATIC_ARM_REPS = 9
 PREFILL_REPS_MIN = 3
 
 TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25, "bf16")]
+HOST_SUFFIX = "+host"  # tiers_<p>_<precision>+host: the same arm with tiers.cpu.compute on
 
 from tiers.cache import POLICIES  # noqa: E402
 from tiers.config import TiersConfig  # noqa: E402
@@ -324,6 +327,7 @@ def run(args) -> dict:
             "cache_hits_vs_belady": [replay_hits, opt_hits],
             "gpu_hits_vs_belady": [engine_hits, belady_hits(trace, all_slots, set()), len(trace)],
             "rebalance": s.rebalance,
+            "host_compute": s.host_compute,
             "prefetch": s.prefetch,
             "decode_graphs": graphs,
             "host_pinned": bool(s.memory["host_pinned"]),
@@ -387,7 +391,7 @@ def run(args) -> dict:
         return row
 
     for name in tiers_arms:
-        frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
+        frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0].removesuffix(HOST_SUFFIX)
         # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
         slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
         gpu = {"fraction": frac, "staging_slots": slots}
@@ -396,7 +400,7 @@ def run(args) -> dict:
             gpu = staging_only_gpu(read_manifest(packed), precision, n)
         cfg = {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth,
                                        "decode_graphs": args.decode_graphs == "on"},
-                         "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
+                         "cpu": {"budget": expert_bytes, "precision": precision, "compute": HOST_SUFFIX in name}, "nvme": {"precision": precision},
                          # the rebalancer follows skewed routing; under uniform routing it has nothing to
                          # learn, and those arms keep the YAML default (off)
                          "rebalance": {"every_tokens": args.rebalance_every if rebalances(name) else 0}}}

@@ -165,7 +165,7 @@ _ALLOWED = {
     "config": {"tiers"},
     "tiers": {"gpu", "cpu", "nvme", "rebalance"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs", "prefill_graphs"},
-    "tiers.cpu": {"fraction", "budget", "precision", "direct_reads"},
+    "tiers.cpu": {"fraction", "budget", "precision", "direct_reads", "compute", "compute_threads"},
     "tiers.nvme": {"precision", "reader_threads", "direct_io"},
     "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin", "significance", "across_layers"},
 }

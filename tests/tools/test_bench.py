@@ -81,6 +81,20 @@ def test_decode_graphs_flag_reaches_the_tiers_arms(tmp_path):
     assert r["arms"]["tiers_25_int8"]["config"]["tiers"]["gpu"]["decode_graphs"] is False
 
 
+def test_host_arm_turns_host_compute_on(tmp_path):
+    """``tiers_<p>_<precision>+host``: the same arm with tiers.cpu.compute on, its stats reported
+    (on the CPU generate's decode switch stays off, so nothing is computed there)."""
+    rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "2",
+                     "--interleave", "0", "--arms", "tiers_25_int8,tiers_25_int8+host", "--out", str(tmp_path)])
+    assert rc == 0
+    r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
+    on, off = r["arms"]["tiers_25_int8+host"], r["arms"]["tiers_25_int8"]
+    assert on["config"]["tiers"]["cpu"] == {**off["config"]["tiers"]["cpu"], "compute": True}
+    assert off["config"]["tiers"]["cpu"]["compute"] is False
+    assert on["host_compute"]["on"] == 1 and off["host_compute"] == {"on": 0}
+    assert "tiers_25_int8+host" in (tmp_path / "bench-mixtral-tiny.md").read_text()
+
+
 def test_rep_overhead_is_the_median_of_differences_within_repetitions():
     """Repetitions on a host whose speed changes: the median of the per-repetition differences
     keeps the arm's true 1 ms overhead, the difference of the medians does not."""
