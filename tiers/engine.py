@@ -45,7 +45,7 @@ from tiers.streamed import StreamedCalls
 from tiers.disk_store import DiskStore
 from tiers.host_pool import HostPool, assert_pinned
 from tiers.h2d import copy_batch
-from tiers.host_compute import COPY_BYTES_PER_S, HostCompute, split
+from tiers.host_compute import COPY_BYTES_PER_S, HostCompute
 from tiers.cache import LruSlots, make_cache
 from tiers import policy
 from tiers.policy import Placement
@@ -1075,7 +1075,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
 
     def host_picks(self, layer: int, picks: list[int]) -> list[int]:
         """The positions among one token's ``picks`` that the host computes: warm experts in no GPU
-        slot, split with the call's other misses (copied up) by ``tiers.host_compute.split``."""
+        slot, split with the call's other misses (copied up) by ``HostCompute.decide``."""
         hc = self.host_compute
         positions, sizes, busy = [], [], 0.0
         for pos, e in enumerate(picks):
@@ -1089,7 +1089,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
                 sizes.append(nbytes)
             else:
                 busy += nbytes / COPY_BYTES_PER_S
-        chosen = split(sizes, busy, hc.rate)
+        chosen = hc.decide(sizes, busy)
         return [p for p, c in zip(positions, chosen) if c]
 
     def host_views(self, layer: int, expert: int) -> tuple[dict, int]:

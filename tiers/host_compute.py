@@ -28,6 +28,11 @@ import torch
 # 52.9-53.8 GB/s while the host computed, 54.7-55.0 alone).
 COPY_BYTES_PER_S = 53e9
 RATE_SMOOTHING = 0.25  # weight of each finished task's rate in the running estimate
+# A call with warm misses gives the host none of them while the estimate says it is slower; after
+# this many such calls in a row the next takes one anyway, so a slow task (a cold start, a busy
+# host) cannot keep the estimate low for good. On the H200, before this, every bf16 arm's estimate
+# stayed at the 25.6 GB/s of its first tasks, and the host computed nothing afterwards.
+EXPLORE_CALLS = 32
 
 
 def split(sizes: list[int], copy_busy: float, host_rate: float, copy_rate: float = COPY_BYTES_PER_S) -> list[bool]:
@@ -76,6 +81,13 @@ def supported(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _start_worker(threads: int) -> None:
+    """The worker's intra-op threads, started before its first task."""
+    torch.set_num_threads(threads)
+    a = torch.ones(64, 64)
+    torch.mm(a, a)
+
+
 def default_threads(device: torch.device) -> int:
     """Intra-op threads for host compute when the config leaves it to us: beside a GPU every core
     but one (the serving thread keeps one to queue the GPU's work while the host computes), else
@@ -99,8 +111,11 @@ class HostCompute:
         threads = threads or default_threads(device)
         self.device, self.dtype = device, dtype
         self.threads = threads
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="tiers-host-compute", initializer=torch.set_num_threads, initargs=(threads,))
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="tiers-host-compute", initializer=_start_worker, initargs=(threads,))
         self.rate = COPY_BYTES_PER_S  # until measured: as fast as a copy, so a call's second miss tries the host
+        self.measured = 0  # tasks timed; the first (the worker's intra-op threads still waking) is not counted in the rate
+        self.passed = 0  # calls in a row whose warm misses all went to the copy engine
+        self.explored = 0
         pin = device.type == "cuda"
         self.x = torch.empty(1, hidden, dtype=dtype, pin_memory=pin)
         self.w = torch.empty(1, top_k, dtype=torch.float32, pin_memory=pin)
@@ -109,6 +124,20 @@ class HostCompute:
         self.next = 0
         self.experts = self.bytes = 0
         self.seconds = 0.0
+
+    def decide(self, sizes: list[int], copy_busy: float) -> list[bool]:
+        """``split`` at the host's estimated rate; after ``EXPLORE_CALLS`` calls in a row that gave
+        the host nothing, the smallest miss goes to the host anyway, to measure it again."""
+        chosen = split(sizes, copy_busy, self.rate)
+        if any(chosen) or not sizes:
+            self.passed = 0 if sizes else self.passed
+            return chosen
+        self.passed += 1
+        if self.passed >= EXPLORE_CALLS:
+            self.passed = 0
+            self.explored += 1
+            chosen[min(range(len(sizes)), key=sizes.__getitem__)] = True
+        return chosen
 
     def stage(self, hidden_states: torch.Tensor, weights: torch.Tensor) -> None:
         """Queue one token's hidden state ([1, H]) and routing weights ([1, k]) down to the host,
@@ -129,7 +158,9 @@ class HostCompute:
                 acc.add_(expert_forward(module, self.x, views).float(), alpha=float(self.w[0, pos]))
         seconds = time.perf_counter() - t0
         nbytes = sum(n for _, _, n in picks)
-        self.rate += RATE_SMOOTHING * (nbytes / max(seconds, 1e-9) - self.rate)
+        if self.measured:
+            self.rate += RATE_SMOOTHING * (nbytes / max(seconds, 1e-9) - self.rate)
+        self.measured += 1
         self.experts += len(picks)
         self.bytes += nbytes
         self.seconds += seconds
@@ -152,10 +183,10 @@ class HostCompute:
 
     def report(self) -> dict[str, float]:
         return {"on": 1, "threads": self.threads, "experts": self.experts, "bytes": self.bytes, "seconds": self.seconds,
-                "rate_gbps": self.rate / 1e9}
+                "rate_gbps": self.rate / 1e9, "explored": self.explored}
 
     def reset(self) -> None:
-        self.experts = self.bytes = 0
+        self.experts = self.bytes = self.explored = 0
         self.seconds = 0.0
 
     def close(self) -> None:

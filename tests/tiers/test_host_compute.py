@@ -153,7 +153,7 @@ def test_decode_with_host_compute_within_bounds(model_type, cfg, floor, kl, devi
     ref = reference(checkpoint_factory(model_type), device)
     ref.set_experts_implementation("grouped_mm")
     model, mgr = _load(packed_factory(model_type), cfg, device)
-    monkeypatch.setattr("tiers.engine.split", lambda sizes, busy, rate: [True] * len(sizes))
+    monkeypatch.setattr("tiers.host_compute.split", lambda sizes, busy, rate: [True] * len(sizes))
     ids = prompt(device, batch=1, length=10)
     a = ref.generate(ids, **GEN)
     with torch.no_grad():
@@ -213,7 +213,7 @@ def test_host_rate_is_measured(device, packed_factory):
 
 def test_host_picks_are_warm_misses_only(device, packed_factory, monkeypatch):
     model, mgr = _load(packed_factory("mixtral"), HOST_INT8, device)
-    monkeypatch.setattr("tiers.engine.split", lambda sizes, busy, rate: [True] * len(sizes))
+    monkeypatch.setattr("tiers.host_compute.split", lambda sizes, busy, rate: [True] * len(sizes))
     mgr.decoding = True
     mgr.host_compute_for(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16, device=device), 2)
     for layer in mgr.manifest.layers:
@@ -254,3 +254,54 @@ def test_config_defaults_off():
     assert c.compute is False and c.compute_threads == 0
     c = parse_config({"tiers": {"cpu": {"compute": True, "compute_threads": 6}}}).cpu
     assert c.compute is True and c.compute_threads == 6
+
+
+def _tiny_host():
+    from tiers.host_compute import HostCompute
+
+    return HostCompute(8, torch.bfloat16, torch.device("cpu"), 2)
+
+
+def test_a_slow_estimate_is_tested_again():
+    """While the estimate gives the host nothing, every ``EXPLORE_CALLS``-th call sends it its
+    smallest warm miss; a call that gives it work on its own resets the count."""
+    hc = _tiny_host()
+    try:
+        hc.rate = COPY_BYTES_PER_S / 100
+        sizes = [300 << 20, 100 << 20]
+        for _ in range(host_compute.EXPLORE_CALLS - 1):
+            assert hc.decide(sizes, 0.0) == [False, False]
+        assert hc.decide(sizes, 0.0) == [False, True] and hc.explored == 1
+        assert hc.decide([], 0.0) == [] and hc.passed == 0
+        hc.rate = COPY_BYTES_PER_S * 100
+        assert hc.decide(sizes, 0.0) == [True, True] and hc.passed == 0
+        hc.rate = COPY_BYTES_PER_S / 100
+        for _ in range(host_compute.EXPLORE_CALLS - 1):
+            hc.decide(sizes, 0.0)
+        assert hc.decide(sizes, 0.0) == [False, True] and hc.explored == 2
+    finally:
+        hc.close()
+
+
+def test_the_first_task_does_not_set_the_rate():
+    """The worker's first task (its threads waking) is timed but left out of the estimate; later
+    ones move it, and their outputs are the weighted sum of the picks'."""
+    hc = _tiny_host()
+    try:
+        mod = SimpleNamespace(has_gate=False, act_fn=torch.relu)
+        g = torch.Generator().manual_seed(0)
+        views = [{n: SimpleNamespace(data={"data": torch.randn(shape, generator=g).to(torch.bfloat16)})
+                  for n, shape in (("up_proj", (16, 8)), ("down_proj", (8, 16)))} for _ in range(2)]
+        x = torch.randn(1, 8, generator=g).to(torch.bfloat16)
+        hc.stage(x, torch.tensor([[0.25, 0.75]]))
+        start = hc.rate
+        first = hc.submit(mod, [(0, views[0], 1 << 20)]).result()
+        assert hc.rate == start and hc.measured == 1
+        acc = hc.submit(mod, [(0, views[0], 1 << 20), (1, views[1], 1 << 20)]).result()
+        assert hc.rate != start and hc.measured == 2 and hc.experts == 3
+        want = sum(w * expert_forward(mod, x, v).float() for w, v in zip((0.25, 0.75), views))
+        assert torch.allclose(acc, want, rtol=1e-5, atol=1e-5) and torch.allclose(first, 0.25 * expert_forward(mod, x, views[0]).float())
+        out = hc.finish(hc.submit(mod, [(1, views[1], 1 << 20)]), torch.ones(1, 8, dtype=torch.bfloat16))
+        assert torch.equal(out, torch.ones(1, 8, dtype=torch.bfloat16) + (0.75 * expert_forward(mod, x, views[1]).float()).to(torch.bfloat16))
+    finally:
+        hc.close()
