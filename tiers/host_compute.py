@@ -64,10 +64,38 @@ def expert_forward(module: torch.nn.Module, x: torch.Tensor, views: dict[str, An
 def _linear(x: torch.Tensor, q: Any) -> torch.Tensor:
     """``x @ W.T`` for a weight kept [out, in] as bf16 (``data``) or per-row INT8 (``qdata``, ``scale``)."""
     if "qdata" in q.data:
-        scale = q.data["scale"].reshape(-1).to(x.dtype)
-        return torch._weight_int8pack_mm(x, q.data["qdata"], scale)
+        codes, scale = q.data["qdata"], q.data["scale"].reshape(-1)
+        if int8_kernel_ok(codes.shape[0], codes.shape[1], x.dtype):
+            return torch._weight_int8pack_mm(x, codes, scale.to(x.dtype))
+        w = torch.mul(codes, scale.unsqueeze(-1), out=torch.empty(codes.shape, dtype=x.dtype))  # as quant.int8 dequantizes
+        return x @ w.t()
     w = q.data["data"]
     return x @ (w if w.dtype == x.dtype else w.to(x.dtype)).t()
+
+
+_INT8_KERNEL_OK: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+def int8_kernel_ok(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether ``torch._weight_int8pack_mm`` computes a [1, k] x [n, k] product right here: checked
+    once per shape against a float64 reference on random codes. The kernel is taken only for
+    inner sizes that are a multiple of 16: in torch 2.13's CPU build it returned NaN or inf for
+    inner sizes 8, 24, 40, 56 and 72 and crashed the process for 3 (any output size worked)."""
+    key = (n, k, dtype)
+    ok = _INT8_KERNEL_OK.get(key)
+    if ok is None:
+        ok = False
+        if k % 16 == 0 and k > 0:
+            g = torch.Generator().manual_seed(0)
+            rows = n if n * k <= 1 << 22 else 64 + n % 64  # the output tail as the real shape has it
+            codes = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int8)
+            scale = torch.rand(rows, generator=g).to(dtype) + 0.5
+            x = torch.randn(1, k, generator=g).to(dtype)
+            got = torch._weight_int8pack_mm(x, codes, scale).double()
+            want = x.double() @ (codes.double() * scale.double().unsqueeze(-1)).t()
+            ok = bool(torch.isfinite(got).all()) and (got - want).norm().item() <= 1e-2 * want.norm().item()
+        _INT8_KERNEL_OK[key] = ok
+    return ok
 
 
 def supported(module: torch.nn.Module) -> str | None:

@@ -306,3 +306,34 @@ def test_the_first_task_does_not_set_the_rate():
         assert torch.equal(out, torch.ones(1, 8, dtype=torch.bfloat16) + (0.75 * expert_forward(mod, x, views[1]).float()).to(torch.bfloat16))
     finally:
         hc.close()
+
+
+@pytest.mark.parametrize("n,k", [(64, 64), (37, 48), (64, 40), (5, 3), (96, 24)])
+def test_int8_linear_is_right_for_every_shape(n, k):
+    """INT8 on the host: torch's packed kernel where its check passes (inner sizes a multiple of
+    16), the pool's codes dequantized as quant.int8 does elsewhere; right either way."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, 1, generator=g) + 0.5  # prepared: [rows, 1], fp32 as packed
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    got = host_compute._linear(x, SimpleNamespace(data={"qdata": codes, "scale": scale})).double()
+    want = x.double() @ (codes.double() * scale.double()).t()
+    assert torch.isfinite(got).all() and _sqnr(want, got) >= 40.0, f"[{n}, {k}]: SQNR {_sqnr(want, got):.1f} dB"
+    assert host_compute.int8_kernel_ok(n, k, torch.bfloat16) == (k % 16 == 0)
+
+
+def test_a_kernel_that_fails_its_check_is_not_used(monkeypatch):
+    monkeypatch.setattr(host_compute, "_INT8_KERNEL_OK", {})
+    calls = []
+
+    def broken(x, codes, scale):
+        calls.append(codes.shape)
+        return torch.full((x.shape[0], codes.shape[0]), float("nan"), dtype=x.dtype)
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", broken)
+    codes = torch.ones(32, 64, dtype=torch.int8)
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    y = host_compute._linear(x, SimpleNamespace(data={"qdata": codes, "scale": torch.full((32, 1), 0.5)}))
+    assert calls == [(32, 64)], "checked once, then never called"
+    assert torch.equal(y, torch.full((1, 32), 32.0, dtype=torch.bfloat16))
+    host_compute._linear(x, SimpleNamespace(data={"qdata": codes, "scale": torch.full((32, 1), 0.5)}))
+    assert len(calls) == 1
