@@ -280,7 +280,8 @@ def _split_call(self, binding: LayerBinding, host, on_host: list[int], hidden_st
     layer = binding.layer
     work = [(pos, *mgr.host_views(layer, picks[pos])) for pos in on_host]
     future = host.submit(self, work)
-    keep = [p for p in range(len(picks)) if p not in set(on_host)]
+    hosted = set(on_host)
+    keep = [p for p in range(len(picks)) if p not in hosted]
     if not keep:
         return host.finish(future, torch.zeros_like(hidden_states))
     sel = _positions(tuple(keep), top_k_index.device)
