@@ -137,7 +137,7 @@ class HostCompute:
 
     def __init__(self, hidden: int, dtype: torch.dtype, device: torch.device, top_k: int, threads: int = 0):
         threads = threads or default_threads(device)
-        self.device, self.dtype = device, dtype
+        self.device = device
         self.threads = threads
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="tiers-host-compute", initializer=_start_worker, initargs=(threads,))
         self.rate = COPY_BYTES_PER_S  # until measured: as fast as a copy, so a call's second miss tries the host

@@ -88,9 +88,7 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
     if host_picks:
         values = torch.cat([flat.to(torch.int32), flags.reshape(-1)]).tolist() if d else flat.tolist()
         picks = values[:rows_n]
-        counts = [0] * (n + 1)
-        for e in picks:
-            counts[e] += 1
+        counts = _rows_per_expert(picks, n)
         rows = [values[rows_n + i * (n + 1) : rows_n + (i + 1) * (n + 1)] for i in range(d)]
         if counts[n]:  # sentinel picks (expert parallelism): leave them to the device-side path
             picks = None
@@ -109,6 +107,14 @@ def _route(self: torch.nn.Module, binding: LayerBinding, hidden_states: torch.Te
             predicted += [e for e, v in enumerate(votes) if not v]
         mgr.note_prediction(layer, predicted)
     return hit, counts, picks
+
+
+def _rows_per_expert(picks: list[int], n: int) -> list[int]:
+    """The (token, pick) rows routed to each expert id of ``n`` (and the sentinel, id ``n``)."""
+    counts = [0] * (n + 1)
+    for e in picks:
+        counts[e] += 1
+    return counts
 
 
 def _prefetch(binding: LayerBinding, limit: int | None = None, direct: bool = True) -> None:
@@ -286,9 +292,7 @@ def _split_call(self, binding: LayerBinding, host, on_host: list[int], hidden_st
         return host.finish(future, torch.zeros_like(hidden_states))
     sel = _positions(tuple(keep), top_k_index.device)
     kept = [picks[p] for p in keep]
-    counts = [0] * (self.num_experts + 1)
-    for e in kept:
-        counts[e] += 1
+    counts = _rows_per_expert(kept, self.num_experts)
     hit = [e for e in range(self.num_experts) if counts[e]]
     try:
         out = _host_routed(self, binding, hidden_states, top_k_index[:, sel], top_k_weights[:, sel], hit, counts, kept)
