@@ -47,6 +47,7 @@ class GpuTier:
     prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off
     decode_graphs: bool = True  # in generate's decode stage on CUDA, replay the experts calls as CUDA graphs (tiers.graphs)
     prefill_graphs: bool = True  # on CUDA, replay whole-layer calls' plans and windows as CUDA graphs where shapes recur
+    step_graphs: bool = True  # on CUDA, replay generate's batch-1 decode steps whole, each as one CUDA graph (tiers.step_graph)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def parse_config(doc: Any) -> TiersConfig:
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
     g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs",
-                                                     "prefill_graphs"})
+                                                     "prefill_graphs", "step_graphs"})
     c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads", "compute", "compute_threads"})
     n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads", "direct_io"})
     d = TiersConfig()
@@ -174,7 +175,7 @@ def parse_config(doc: Any) -> TiersConfig:
         raise ValueError(f"tiers.gpu.prefetch_depth: expected an integer in [0, 8], got {depth!r}")
     gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache,
                   float(decay), compute, depth, _flag(g, "tiers.gpu", "decode_graphs", d.gpu.decode_graphs),
-                  _flag(g, "tiers.gpu", "prefill_graphs", d.gpu.prefill_graphs))
+                  _flag(g, "tiers.gpu", "prefill_graphs", d.gpu.prefill_graphs), _flag(g, "tiers.gpu", "step_graphs", d.gpu.step_graphs))
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))

@@ -57,8 +57,9 @@ class _DirectLayer:
     resident: torch.Tensor  # int32 [E]: each hot expert's slot, -1 for the rest
     tensors: direct.DirectExpert
     pool: Any
-    counts: torch.Tensor  # int64 [2]: the pool's resident and decoded picks (shared by its layers)
+    counts: torch.Tensor  # int64 [3]: the pool's resident, decoded and cached picks (shared by its layers)
     usage: torch.Tensor | None  # int64 [E]: picks per expert, for the rebalancer (None without one)
+    step_counts: torch.Tensor  # int64 [3]: the same, for calls inside a step graph (whose reads are not timed)
 
 
 @dataclass
@@ -109,7 +110,9 @@ class DirectDecoder:
         self._reserved: dict[int, _Reserved] = {}  # pool id -> its reserved slots, while a decode stage runs
         # (pool id, slots) -> the slot cache over them, kept across decode stages: the decode graphs keep its tensors
         self._slot_caches: dict[tuple[int, tuple[int, ...]], direct.SlotCache] = {}
-        self._direct_counts: dict[int, torch.Tensor] = {}  # pool id -> int64 [3]: resident, decoded, cached picks
+        # pool id -> int64 [6]: resident, decoded and cached picks of direct calls, then the same of
+        # those inside step graphs (``tiers.step_graph``), whose reads are not timed
+        self._direct_counts: dict[int, torch.Tensor] = {}
         self._direct_miss_bytes: dict[int, int] = {}  # pool id -> transfer-form bytes a decoded pick reads
         # picks per expert of every layer, counted on the device for the rebalancer (fetched once per
         # interval), laid out as the residency table's grid: one row per layer
@@ -191,11 +194,11 @@ class DirectDecoder:
                 rows, width = len(t.grid.layers), t.grid.width
                 self._table_starts = torch.zeros((rows, width), dtype=torch.int64, device=self.device)
                 self._table_resident = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
-            counts = self._direct_counts.setdefault(id(pool), torch.zeros(3, dtype=torch.int64, device=self.device))
+            counts = self._direct_counts.setdefault(id(pool), torch.zeros(6, dtype=torch.int64, device=self.device))
             self._direct_miss_bytes[id(pool)] = blob.nbytes
             usage = None if self._usage is None else self._usage[row, :n]
             out[layer] = _DirectLayer(self._table_starts[row, :n], self._table_resident[row, :n], self.direct_tensors(pool, blob),
-                                      pool, counts, usage)
+                                      pool, counts[:3], usage, counts[3:])
         if changed:
             self._upload_direct_tables()
         self._direct_version = t.homes_version
@@ -291,7 +294,7 @@ class DirectDecoder:
             self._release(pool)
         if self._stage_counts:  # every pool's decoded picks this stage, read with one sync
             pids = list(self._stage_counts)
-            decoded = torch.stack([self._direct_counts[pid][1] - self._stage_counts[pid][1] for pid in pids]).tolist()
+            decoded = torch.stack([(self._direct_counts[pid] - self._stage_counts[pid])[1::3].sum() for pid in pids]).tolist()
             for pid, n in zip(pids, decoded):
                 self._stage_bytes[pid] = self._stage_bytes.get(pid, 0) + max(n, 0) * self._direct_miss_bytes[pid]
         self._stage_counts.clear()
@@ -326,14 +329,16 @@ class DirectDecoder:
         slots are all its staging slots, first gives them back: the host-routed path needs some."""
         if not self._reserved:
             return False
-        pool = self.pool_of[layer]
-        r = self._reserved.get(id(pool))
-        if r is None:
-            return False
-        if layer in self._direct_layers and picks <= len(r.slots):
+        if self.direct_ok(layer, picks):
             return True
-        self._leave_direct(pool)
+        self._leave_direct(self.pool_of[layer])
         return False
+
+    def direct_ok(self, layer: int, picks: int) -> bool:
+        """Whether a call of ``picks`` picks at ``layer`` can run direct now (no side effect):
+        its layer qualifies and its pool reserved slots for at least that many misses."""
+        r = self._reserved.get(id(self.pool_of[layer])) if self._reserved else None
+        return r is not None and self._direct_layers is not None and layer in self._direct_layers and picks <= len(r.slots)
 
     def _leave_direct(self, pool: Any) -> None:
         """A call of ``pool`` takes the host-routed path: if its reserved slots are all the pool's
@@ -350,23 +355,57 @@ class DirectDecoder:
         expert went to disk), None, and the caller runs the host-routed path for this call, whose
         routing the rebalancer has yet to count (``begin_call(..., noted=True)``)."""
         if self.rebalancer is not None:
-            self.rebalancer.note_call(layer, [], top_k_index.shape[0], first=layer == self.first_layer)
+            self.rebalancer.note_call(layer, [], top_k_index.shape[0], first=self.opens_token(layer))
             if self._direct_version != self.table.homes_version:
                 self._refresh_direct()
         d = self._direct_layers.get(layer)
         if d is None:
             self._leave_direct(self.pool_of[layer])
             return None
-        self._usage_pending = True
-        flat = top_k_index.reshape(-1)
-        cache, row = self._reserved[id(d.pool)].cache, self.table.grid.row[layer]
-        src = self.host.slab
         start = None
         if self.timing:
             start = self.streams.event(timing=True)
             start.record(self.streams.current())
+        ids = self._fetch_slots(d, layer, top_k_index, d.counts)
+        self.note_direct_call(layer)
+        if start is not None:
+            end = self.streams.event(timing=True)
+            end.record(self.streams.current())
+            self.stats_.timed("stage", start, end)
+        return ids
 
-        starts, resident, counts, usage, tensors = d.starts, d.resident, d.counts, d.usage, d.tensors
+    def step_bound(self) -> list[torch.Tensor]:
+        """The tensors a step graph's direct calls bind that can change between decode stages: each
+        pool's reserved slots' cache (which slots a stage reserves depends on whether every layer of
+        the pool runs direct). What else they read (the slabs, the direct tables, the counters, the
+        host pool) is allocated once."""
+        out = []
+        for pool in self.pools:
+            r = self._reserved.get(id(pool))
+            if r is not None:
+                out += [r.cache.slots, r.cache.owner, r.cache.stamp, r.cache.clock, r.cache.dst]
+        return out
+
+    def step_fetch(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
+        """``fetch_direct``'s device work alone, for a call inside a step graph: the step's runner
+        did the host's part for every layer before the graph ran (``note_direct_call``), and the
+        call counts its picks apart, since no timing event spans its reads."""
+        d = self._direct_layers[layer]
+        return self._fetch_slots(d, layer, top_k_index, d.step_counts)
+
+    def note_direct_call(self, layer: int) -> None:
+        """The host's part of a direct call at ``layer`` besides the rebalancer's: its counts."""
+        self._usage_pending = True
+        self.stats_.direct_calls += 1
+        self.note_decode_call(self.pool_of[layer])
+
+    def _fetch_slots(self, d: _DirectLayer, layer: int, top_k_index: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Queue the fetch of ``top_k_index``'s picks at ``layer`` (a decode graph where those are
+        on), its picks counted in ``counts``; the slot of each pick, shaped as ``top_k_index``."""
+        flat = top_k_index.reshape(-1)
+        cache, row = self._reserved[id(d.pool)].cache, self.table.grid.row[layer]
+        src = self.host.slab
+        starts, resident, usage, tensors = d.starts, d.resident, d.usage, d.tensors
 
         def step(picks: torch.Tensor) -> torch.Tensor:  # reads and writes only ``bound`` besides its input
             ids = torch.empty(picks.shape, dtype=torch.int64, device=picks.device)
@@ -376,21 +415,17 @@ class DirectDecoder:
         bound = (src, starts, resident, cache.slots, cache.owner, cache.stamp, cache.clock, cache.dst, counts, usage,
                  *(t.out for t in tensors))
         ids = self.graphs.run(("fetch", layer), bound, step, (flat,), fresh=False)
-        self.stats_.direct_calls += 1
-        self.note_decode_call(d.pool)
-        if start is not None:
-            end = self.streams.event(timing=True)
-            end.record(self.streams.current())
-            self.stats_.timed("stage", start, end)
         return ids.view(top_k_index.shape)
 
-    def direct_served(self) -> tuple[int, int, int]:
-        """(gpu hits, cpu hits, bytes read) of direct calls since the last reset (syncs)."""
-        hits = misses = moved = 0
+    def direct_served(self) -> tuple[int, int, int, int]:
+        """(gpu hits, cpu hits, bytes read, of those the bytes read inside step graphs, which no
+        timing event spans) of direct calls since the last reset (syncs)."""
+        hits = misses = moved = untimed = 0
         for pid, counts in self._direct_counts.items():
-            h, m, c = counts.tolist()
-            hits, misses, moved = hits + h + c, misses + m, moved + m * self._direct_miss_bytes[pid]
-        return hits, misses, moved
+            h, m, c, sh, sm, sc = counts.tolist()
+            per = self._direct_miss_bytes[pid]
+            hits, misses, moved, untimed = hits + h + c + sh + sc, misses + m + sm, moved + (m + sm) * per, untimed + sm * per
+        return hits, misses, moved, untimed
 
     def reset_direct(self) -> None:
         for c in self._direct_counts.values():

@@ -313,6 +313,11 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         self._static_marks: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._static_row: dict[int, int] = {}
         self.first_layer = min((L for L in manifest.layers if L not in self.static_maps), default=None)
+        # a step graph's runner noted this token's first layer call already, then ran the forward
+        # eagerly after all: that call must not open the token again (``opens_token``)
+        self._token_noted = False
+        self.in_step = False  # inside a whole decode step run as one graph (``tiers.step_graph``)
+        self.steps: Any = None  # the model's step graphs (``tiers.step_graph.install``), if any
         # after a long forward's call at this layer is queued, its earlier whole-layer calls count
         # (``settle_after``); None: only at the next call that waits, at stats, or once too many wait
         self.settle_layer = max((L for L in manifest.layers if L not in self.static_maps), default=None)
@@ -388,7 +393,38 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
         if self.decoding:
             self.note_decode_call(self.pool_of[layer])
         if self.rebalancer is not None:
-            self.rebalancer.note_call(layer, keys, tokens, first=layer == self.first_layer and not noted)
+            self.rebalancer.note_call(layer, keys, tokens, first=not noted and self.opens_token(layer))
+
+    def opens_token(self, layer: int) -> bool:
+        """Whether a call at ``layer`` opens its token for the rebalancer (the first pooled layer),
+        unless ``begin_step`` opened it already."""
+        if layer != self.first_layer:
+            return False
+        noted, self._token_noted = self._token_noted, False
+        return not noted
+
+    def begin_step(self, top_k: int) -> bool:
+        """A one-token decode step is about to run as one graph (``tiers.step_graph``), whose
+        experts calls do only their device work: do the host's part of every layer's call now (the
+        rebalancer's token, landing its swaps; each call's counts). True when every MoE layer's
+        call can run inside the graph: its experts all hot (static), or a direct call. Otherwise
+        the step runs eagerly, its calls counting themselves, and the token stays opened."""
+        self.settle()
+        opened = self.rebalancer is not None and self.first_layer is not None
+        if opened:
+            self.rebalancer.note_call(self.first_layer, [], 1, first=True)
+            if self._direct_layers is not None and self._direct_version != self.table.homes_version:
+                self._refresh_direct()
+        layers = self.manifest.layers
+        if not all(L in self.static_maps or self.direct_ok(L, top_k) for L in layers):
+            self._token_noted = opened
+            return False
+        for L in layers:
+            if L in self.static_maps:
+                self._static_host_hits += top_k  # what ``count_static`` counts for one token
+            else:
+                self.note_direct_call(L)
+        return True
 
     def reserve_slot(self, pool: SlotPool, slot: int, compute: Any) -> None:
         """Take an unheld staging slot out of the cache for a caller's own writes: its expert
@@ -1120,13 +1156,15 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             self.host_compute.reset()
         self.graphs.reset_counts()
         self.whole_graphs.reset_counts()
+        if self.steps is not None:
+            self.steps.reset_counts()
 
     def stats(self) -> TierStats:
         self.settle()
         self.stats_.resolve()
         self._fold_static()
         static = int(self._static_hits.item()) + self._static_host_hits
-        direct_gpu, direct_cpu, direct_bytes = self.direct_served()
+        direct_gpu, direct_cpu, direct_bytes, untimed = self.direct_served()
         m = self.manifest
         residency = {h.value: {"experts": 0, "bytes": 0} for h in Home}
         for k, r in self.table.items():  # where each expert lives now (the rebalancer moves them)
@@ -1152,6 +1190,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             bytes_moved=self.stats_.bytes_moved | {"cpu": self.stats_.bytes_moved.get("cpu", 0) + direct_bytes},
             stage_seconds=self.stats_.stage_seconds,
             stall_seconds=self.stats_.stall_seconds,
+            untimed_bytes=untimed,
             gpu_slots={"hot": hot, "staging": staging, "cached": cached},
             prefetch=self.stats_.prefetch_report(),
             direct={"on": int(self.direct_reads or self.direct_decode), "decode_calls": self.stats_.direct_calls, "stacks": self.stats_.direct_stacks},
@@ -1162,6 +1201,7 @@ class TierManager(Prefetcher, DirectDecoder, StreamedCalls):
             rebalance=self.rebalancer.report() if self.rebalancer is not None else {},
             graphs=self.graphs.counts(),
             whole_graphs=self.whole_graphs.counts(),
+            step_graphs=self.steps.report() if self.steps is not None else {"on": 0},
             host_compute=self.host_compute.report() if self.host_compute is not None else {"on": int(self.cfg.cpu.compute)},
         )
 

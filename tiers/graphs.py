@@ -39,6 +39,7 @@ static inputs: the CPU tests run the same caching, static buffers and checks thr
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass, field
@@ -144,12 +145,23 @@ class DecodeGraphs:
         self._new_graph = graph
         self._entries: dict[Hashable, _Entry] = {}
         self.captured = self.replayed = self.eager_calls = self.failed = 0
+        self.inline = False  # inside a step graph (``tiers.step_graph``): every call runs its step, which that graph captures
+
+    @contextlib.contextmanager
+    def inlined(self):
+        """Every call inside runs its step as it is: a whole decode step captured as one graph
+        holds these calls' kernels itself (a capture cannot replay another graph)."""
+        before, self.inline = self.inline, True
+        try:
+            yield
+        finally:
+            self.inline = before
 
     def run(self, key: Hashable, bound: Sequence[torch.Tensor | None], step: Callable[..., torch.Tensor],
             inputs: tuple[torch.Tensor, ...], fresh: bool = True) -> torch.Tensor:
         """See the module docstring; ``fresh`` False returns a replay's static output itself (for a
         next step that binds it, read before this key's next call)."""
-        if not self.enabled:
+        if not self.enabled or self.inline:
             return step(*inputs)
         key = (key, tuple((tuple(x.shape), x.dtype, x.device) for x in inputs))
         sig = signature(bound)
@@ -191,6 +203,11 @@ class DecodeGraphs:
         if not fresh:
             return out
         return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
+
+    def drop(self, key: Hashable) -> None:
+        """Forget every graph of ``key`` (any input shapes): its tensors are gone for good."""
+        for k in [k for k in self._entries if k[0] == key]:
+            del self._entries[k]
 
     def reset_counts(self) -> None:
         self.captured = self.replayed = self.eager_calls = self.failed = 0

@@ -42,7 +42,7 @@ from loader.routing import read_routing, routing_document, write_routing
 from loader.skeleton import build_skeleton
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
-from tiers import host_compute
+from tiers import host_compute, step_graph
 from tiers.engine import Streams, TierManager
 from tiers.policy import plan_placement
 from tiers.stats import TierStats
@@ -221,7 +221,8 @@ def tiers_grouped_experts_forward(
     mgr = binding.manager
     static = mgr.static_maps.get(binding.layer)
     if static is not None:  # every expert of this layer is hot: no sync, no staging, no events
-        mgr.count_static(binding.layer, top_k_index)
+        if not mgr.in_step:  # a step graph's runner counted it (``TierManager.begin_step``)
+            mgr.count_static(binding.layer, top_k_index)
         # In generate's decode stage on a GPU, transformers runs its grouped_mm experts as
         # batched_mm; a layer whose experts are all hot does exactly what the untiered one does
         # (there replayed as a decode graph, where those are on).
@@ -247,6 +248,10 @@ def tiers_grouped_experts_forward(
         if out is not None:
             mgr.settle_after(binding.layer)
             return out
+    if mgr.in_step:  # inside a step graph (``tiers.step_graph``): the device work alone
+        ids = mgr.step_fetch(binding.layer, top_k_index)
+        pool = mgr.pool_of[binding.layer]
+        return batched_mm_experts_forward(_proxy(self, pool.slabs, pool.n_slots), hidden_states, ids, top_k_weights)
     mgr.settle()  # this call counts after the whole-layer calls before it
     noted = False
     if mgr.decoding and mgr.direct_ready(binding.layer, top_k_index.numel()):
@@ -882,6 +887,9 @@ def load(
         mod._tiers_binding = LayerBinding(layer, manager, ahead)
     _register()
     model.set_experts_implementation(GROUPED if cfg.gpu.compute == "grouped" else IMPLEMENTATION)
+    on_cuda_grouped = dev.type == "cuda" and cfg.gpu.compute == "grouped" and not cfg.cpu.compute
+    if cfg.gpu.step_graphs and on_cuda_grouped:
+        step_graph.install(model, manager)
     _follow_decode_switch(model, manager)
     if (manifest.root / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(manifest.root)
@@ -905,11 +913,15 @@ def _follow_decode_switch(model: PreTrainedModel, manager: TierManager) -> None:
         manager.decoding = manager.batched_decode
         if manager.decoding and not before:
             manager.begin_decode()
+            if manager.steps is not None:
+                manager.steps.begin_stage()
         try:
             with enter():
                 yield
         finally:
             if manager.decoding and not before:
+                if manager.steps is not None:
+                    manager.steps.end_stage()  # generate's cache gets what the step graphs wrote
                 manager.end_decode()
             manager.decoding = before
 

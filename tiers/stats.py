@@ -38,6 +38,12 @@ class TierStats:
     whole_graphs: dict[str, int] = field(default_factory=dict)
     # on (0/1); once used: threads, experts, bytes, seconds, rate_gbps: decode misses computed on the host (tiers.host_compute)
     host_compute: dict[str, float] = field(default_factory=dict)
+    # bytes_moved's share read inside step graphs (tiers.step_graph), which no timing event spans:
+    # left out of h2d_gbps, whose time counts only timed copies
+    untimed_bytes: int = 0
+    # on (0/1), steps (decode steps replayed as one graph), captured, eager (steps run op by op, by
+    # reason), cache_bytes (the static KV cache those steps write)
+    step_graphs: dict = field(default_factory=dict)
 
     @property
     def gpu_hit_rate(self) -> float:
@@ -47,7 +53,7 @@ class TierStats:
 
     @property
     def h2d_gbps(self) -> float:
-        moved = sum(self.bytes_moved.values())
+        moved = sum(self.bytes_moved.values()) - self.untimed_bytes
         return moved / self.stage_seconds / 1e9 if self.stage_seconds > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -69,6 +75,8 @@ class TierStats:
             "graphs": dict(self.graphs),
             "whole_graphs": dict(self.whole_graphs),
             "host_compute": dict(self.host_compute),
+            "untimed_bytes": self.untimed_bytes,
+            "step_graphs": dict(self.step_graphs),
         }
 
     def __str__(self) -> str:

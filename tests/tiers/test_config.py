@@ -164,7 +164,7 @@ def test_bad_precision_names_key_and_allowed(key, value):
 _ALLOWED = {
     "config": {"tiers"},
     "tiers": {"gpu", "cpu", "nvme", "rebalance"},
-    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs", "prefill_graphs"},
+    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs", "prefill_graphs", "step_graphs"},
     "tiers.cpu": {"fraction", "budget", "precision", "direct_reads", "compute", "compute_threads"},
     "tiers.nvme": {"precision", "reader_threads", "direct_io"},
     "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin", "significance", "across_layers"},
@@ -230,7 +230,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.fraction", 1.5), "tiers.gpu.fraction: must be in [0, 1], got 1.5"),
         (at("tiers.cpu.fraction", "50%"), "tiers.cpu.fraction: expected a number in [0, 1], got '50%'"),
         (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
-        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'decode_graphs', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'prefill_graphs', 'staging_slots']"),
+        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'decode_graphs', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'prefill_graphs', 'staging_slots', 'step_graphs']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
         (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme', 'rebalance']"),
         (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['direct_io', 'precision', 'reader_threads']"),
@@ -252,7 +252,7 @@ def test_fractions_summing_above_one_rejected(g, c):
             {"tiers": {"gpu": {"fraction": 0.75}, "cpu": {"fraction": 0.5}}},
             "tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got 0.75 + 0.5 = 1.25",
         ),
-        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'cache', 'compute', 'decode_graphs', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'prefill_graphs', 'staging_slots'], got float 0.25"),
+        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'cache', 'compute', 'decode_graphs', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'prefill_graphs', 'staging_slots', 'step_graphs'], got float 0.25"),
         (["tiers"], "config: expected a mapping with keys ['tiers'], got list ['tiers']"),
     ],
 )

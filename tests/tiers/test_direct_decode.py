@@ -148,7 +148,7 @@ def test_direct_counts_resident_decoded_and_cached_picks(device, checkpoint_fact
     mgr.reset_stats()
     seen.clear()
     model.generate(prompt(device, batch=1), **GEN)
-    d_gpu, d_cpu, d_bytes = mgr.direct_served()
+    d_gpu, d_cpu, d_bytes, _ = mgr.direct_served()
     grid = mgr.table.grid
     (lane_count,) = lanes
     assert lane_count == 8, "every layer runs direct: all 8 staging slots are reserved"
@@ -234,7 +234,7 @@ def test_decode_stages_choose_their_path_by_the_last_stages_miss_bytes(large, de
 
     generate()  # the first stage runs direct
     assert len(calls) == layers * steps and not any(begun)
-    _, _, moved = mgr.direct_served()
+    _, _, moved, _ = mgr.direct_served()
     assert moved > 0 and mgr.decode_miss_bytes[pid] == moved / (layers * steps)
     generate()
     if not large:  # read by direct stacks either way: direct stays

@@ -1,0 +1,232 @@
+"""Step graphs (tiers.step_graph): generate's batch-1 decode steps replayed whole as one graph.
+
+On CUDA ``tiers.load`` installs them (``tiers.gpu.step_graphs``, on by default) with CUDA graphs;
+on the CPU the tests install them with ``HostGraph``, which replays by calling the step, so the
+same caching, the two caches' bookkeeping and the fallbacks run. The decode switch and direct
+decode are forced on the CPU as in test_direct_decode.
+
+Bounds: a graph step equals the same step run op by op bit for bit (CUDA: the same kernels
+replayed). Against Tiers' decode on generate's own dynamic cache, where attention runs over the
+exact length instead of the padded static cache, the greedy tokens equal and the median over the
+steps of the logits' SQNR is at least 40 dB (measured 43-50 dB per step on the CPU). The median,
+not every step: bf16 rounding can flip a near-tie in a router's top-k, and that step's logits
+then differ more (a tiny Mixtral's layer 2 picked expert 7 or 3 at gate weights 0.461 and 0.460:
+13 dB at that step, 45 dB at the next). A cache or position bug puts every step below 0 dB.
+"""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+import tiers
+from tiers import step_graph
+from tiers.graphs import HostGraph
+from tiers.integration import manager_of
+from tiers.step_graph import StepGraphs
+
+from test_direct_decode import DIRECT_BF16
+
+NEW = 12
+GEN = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+
+
+def _cfg(steps: bool, **extra) -> dict:
+    t = DIRECT_BF16["tiers"]
+    return {"tiers": {**t, "gpu": {**t["gpu"], "step_graphs": steps}, **extra}}
+
+
+def _load(packed, device, steps=True, **extra):
+    model = tiers.load(packed, _cfg(steps, **extra), device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.batched_decode = True  # what a GPU does; forced on the CPU
+    if device.type == "cpu":
+        mgr.direct_decode = mgr.cfg.cpu.direct_reads  # the torch reference stands in for the kernel
+        if steps:
+            step_graph.install(model, mgr, graph=HostGraph)
+    assert (mgr.steps is not None) == steps
+    return model, mgr
+
+
+def _prompt(device, length=10):
+    return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(7)).to(device)
+
+
+def _sqnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return (10 * torch.log10(a.pow(2).sum() / (a - b).pow(2).sum().clamp_min(1e-30))).item()
+
+
+def _cache_of(out):
+    return out.past_key_values if hasattr(out, "past_key_values") else out.cache
+
+
+def assert_close_to(ref, out) -> None:
+    assert torch.equal(ref.sequences, out.sequences)
+    sqnr = [_sqnr(a, b) for a, b in zip(ref.logits, out.logits)]
+    assert statistics.median(sqnr) >= 40.0, f"logits SQNR per decode step: {[round(x, 1) for x in sqnr]}"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_graph_steps_equal_the_same_steps_op_by_op(model_type, device, packed_factory):
+    """Every decode step but the first runs from a graph (captured once); its logits equal the same
+    static-cache steps run op by op, bit for bit, and the token's host work is done once per step."""
+    packed = packed_factory(model_type, ("bf16",))
+    ids = _prompt(device)
+    model, mgr = _load(packed, device)
+    out = model.generate(ids, **GEN)
+    s = mgr.stats()
+    assert s.step_graphs["steps"] == NEW - 1 and s.step_graphs["eager"] == {}, s.step_graphs
+    assert s.step_graphs["captured"] == 1 and s.step_graphs["positions"] == StepGraphs.MIN_POSITIONS
+    layers, direct_layers = len(mgr.manifest.layers), len(mgr.manifest.layers) - len(mgr.static_maps)
+    assert s.direct["decode_calls"] == direct_layers * (NEW - 1), s.direct
+    assert s.hits["cpu"] > 0, "decode must read warm experts"
+
+    plain, pmgr = _load(packed, device)
+    pmgr.steps.graphs.enabled = False  # the same steps, op by op
+    again = plain.generate(ids, **GEN)
+    assert pmgr.stats().step_graphs["captured"] == 0
+    assert torch.equal(out.sequences, again.sequences)
+    for step, (a, b) in enumerate(zip(out.logits, again.logits)):
+        assert torch.equal(a, b), f"decode step {step}"
+    assert pmgr.stats().hits == s.hits and sum(s.hits.values()) > layers * (NEW - 1) * 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_graph_steps_close_to_decode_on_the_dynamic_cache(model_type, device, packed_factory):
+    packed = packed_factory(model_type, ("bf16",))
+    ids = _prompt(device)
+    ref = _load(packed, device, steps=False)[0].generate(ids, **GEN)
+    model, mgr = _load(packed, device)
+    assert_close_to(ref, model.generate(ids, **GEN))
+    assert mgr.stats().step_graphs["steps"] == NEW - 1
+
+
+def test_returned_cache_holds_every_position(device, packed_factory):
+    """What generate returns holds the prompt and every decoded token but the last, the decoded
+    positions being those the graph wrote into the static cache."""
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    ref = _cache_of(_load(packed, device, steps=False)[0].generate(ids, **GEN))
+    model, mgr = _load(packed, device)
+    got = _cache_of(model.generate(ids, **GEN))
+    n = ids.shape[1] + NEW - 1
+    assert got.get_seq_length() == ref.get_seq_length() == n
+    static = mgr.steps.cache
+    for i, (a, b) in enumerate(zip(got.layers, static.layers)):
+        assert torch.equal(a.keys, b.keys[:, :, :n]) and torch.equal(a.values, b.values[:, :, :n]), f"layer {i}"
+    for i, (a, b) in enumerate(zip(got.layers, ref.layers)):
+        assert _sqnr(b.keys, a.keys) >= 40.0 and _sqnr(b.values, a.values) >= 40.0, f"layer {i}"  # qwen3 at this seed: no flip
+
+
+def test_a_step_that_falls_back_sees_a_complete_cache(device, packed_factory, monkeypatch):
+    """A layer leaves direct decode mid-stage: that step and the rest run op by op on generate's
+    cache, which first gets the positions the graph steps wrote; tokens stay right, and the
+    rebalancer counts each token once (the fallen-back step's first call does not open it again)."""
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    ref = _load(packed, device, steps=False, rebalance={"every_tokens": 4})[0].generate(ids, **GEN)
+    model, mgr = _load(packed, device, rebalance={"every_tokens": 4})
+    ok, steps = mgr.direct_ok, []
+    layer = max(mgr.manifest.layers)
+
+    def direct_ok(L, picks):
+        if L == layer and len(steps) >= 5:
+            return False
+        return ok(L, picks)
+    begin = mgr.begin_step
+    monkeypatch.setattr(mgr, "begin_step", lambda k: steps.append(1) or begin(k))
+    monkeypatch.setattr(mgr, "direct_ok", direct_ok)
+    out = model.generate(ids, **GEN)
+    assert_close_to(ref, out)
+    s = mgr.stats().step_graphs
+    assert s["steps"] == 4 and s["eager"] == {"layers": NEW - 1 - 4}, s
+    assert _cache_of(out).get_seq_length() == ids.shape[1] + NEW - 1
+    assert sum(mgr.rebalancer.window.spans) == ids.shape[1] + NEW - 1, "each token counted once"
+
+
+def test_rebalancer_counts_the_same_with_and_without_graph_steps(device, packed_factory):
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    got = []
+    for steps in (False, True):
+        model, mgr = _load(packed, device, steps=steps, rebalance={"every_tokens": 4})
+        model.generate(ids, **GEN)
+        r = mgr.rebalancer
+        got.append((r.counts["rebalances"], list(r.window.spans), int(r.window.frequency().sum())))
+    assert got[0] == got[1]
+
+
+def test_batches_and_padding_run_op_by_op(device, packed_factory):
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    model, mgr = _load(packed, device)
+    two = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(7)).to(device)
+    model.generate(two, **GEN)
+    assert mgr.stats().step_graphs["eager"] == {"shape": NEW - 1} and mgr.stats().step_graphs["steps"] == 0
+    mgr.reset_stats()
+    ids = _prompt(device)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # a padded position: the static step (no mask) would attend to it
+    ref = _load(packed, device, steps=False)[0].generate(ids, attention_mask=mask, **GEN)
+    out = model.generate(ids, attention_mask=mask, **GEN)
+    assert mgr.stats().step_graphs["eager"] == {"padding": NEW - 1}
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        assert torch.equal(a, b)
+
+
+def test_the_static_cache_grows_and_its_graphs_follow(device, packed_factory, monkeypatch):
+    monkeypatch.setattr(StepGraphs, "MIN_POSITIONS", 8)
+    packed = packed_factory("mixtral", ("bf16",))
+    ids = _prompt(device)  # 10 positions: 16, then 32 past the 16th
+    ref = _load(packed, device, steps=False)[0].generate(ids, **GEN)
+    model, mgr = _load(packed, device)
+    assert_close_to(ref, model.generate(ids, **GEN))
+    s = mgr.stats().step_graphs
+    assert s["positions"] == 32 and s["steps"] == NEW - 1 and s["captured"] == 2, s
+    assert len(mgr.steps.graphs._entries) == 1, "the smaller cache's graph is dropped"
+    # kept across generates: the same cache and graph serve the next one
+    mgr.reset_stats()
+    again = model.generate(ids, **GEN)
+    assert_close_to(ref, again)
+    s = mgr.stats().step_graphs
+    assert s["captured"] == 0 and s["steps"] == NEW - 1, s
+
+
+def test_untimed_reads_stay_out_of_the_copy_rate(device, packed_factory):
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    model, mgr = _load(packed, device)
+    model.generate(_prompt(device), **GEN)
+    s = mgr.stats()
+    assert s.untimed_bytes > 0 and s.untimed_bytes <= s.bytes_moved["cpu"]
+    if s.stage_seconds:
+        assert s.h2d_gbps == pytest.approx((sum(s.bytes_moved.values()) - s.untimed_bytes) / s.stage_seconds / 1e9)
+
+
+def test_off_by_config_and_off_the_gpu(packed_factory):
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    for cfg in (_cfg(False), _cfg(True)):
+        model = tiers.load(packed, cfg, device="cpu", progress=False)
+        assert manager_of(model).steps is None and "forward" not in vars(model), "the CPU keeps the model's own forward"
+        assert manager_of(model).stats().step_graphs == {"on": 0}
+
+
+def test_all_hot_layers_run_inside_the_graph_and_count_once(device, packed_factory):
+    """At a 100% budget every layer is static: the whole step replays, and each step's lookups are
+    counted once, as op by op."""
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    got = []
+    for steps in (False, True):
+        model = tiers.load(packed, {"tiers": {"gpu": {"fraction": 1.0, "step_graphs": steps}}}, device=device, progress=False)
+        mgr = manager_of(model)
+        mgr.batched_decode = True
+        if steps and device.type == "cpu":
+            step_graph.install(model, mgr, graph=HostGraph)
+        assert len(mgr.static_maps) == len(mgr.manifest.layers)
+        got.append((model.generate(ids, **GEN), mgr.stats()))
+    (ref, a), (out, b) = got
+    assert b.step_graphs["steps"] == NEW - 1 and b.step_graphs["eager"] == {}
+    assert a.hits == b.hits and b.hits["gpu"] > 0
+    assert_close_to(ref, out)

@@ -1,0 +1,259 @@
+"""Step graphs: a whole one-token decode step of ``generate`` replayed as one CUDA graph.
+
+Owns: ``StepGraphs``, which stands in for the loaded model's ``forward``. In generate's decode
+stage, at batch 1, it runs each step on a static KV cache of its own, captured once as one graph
+(embeddings, attention, routers, every layer's experts call, the head) and replayed; every other
+call goes to the model's own forward. It keeps the cache generate holds complete.
+
+Why: batch-1 decode at these sizes is bound by the host launching kernels one by one from
+Python, not by the device. On the H200, untiered and all on the GPU, a 12-layer Qwen3-30B-A3B
+decode step took 19-22 ms op by op and 3.0 ms replayed as one graph; an 8-layer Mixtral-8x7B one
+8.7-12.6 ms and 3.8 ms (``bench/step_graph_probe.py``, ``bench/results/step_graph_probe.json``).
+Tiers' per-layer decode graphs (``tiers.graphs``) replay only the experts calls.
+
+How a step runs:
+
+- The prefill runs as transformers runs it, with generate's dynamic cache: a static cache's
+  prefill attends over the whole padded length (a 2048-token Qwen3 prefill took 28.7 ms against
+  25.4 in the same probe).
+- At a decode step that qualifies, the positions generate's cache holds beyond the static
+  cache's are copied in, the manager does every layer's host work for the token
+  (``TierManager.begin_step``: the rebalancer's token, the calls' counts), and the graph runs
+  with the token and its position copied into its static inputs. Inside it the experts calls do
+  only device work: all-hot layers' batched forward, direct calls' fetch and forward
+  (``tiers.direct``), their own decode graphs run inline.
+- Before a step runs op by op (a layer fell off direct decode, say) and when the decode stage
+  ends, generate's cache gets the positions the graph wrote; what ``generate`` returns with
+  ``return_dict_in_generate`` holds every position.
+- The static cache holds a power of two of positions, at least 1024; a longer sequence moves to
+  one twice as large (copied), with a graph of its own. It is kept across generates, so the
+  graph is captured once per size, not per call.
+
+A step qualifies when: the manager says it is generate's decode stage; one sequence, one token;
+the call passes only what generate passes (ids, positions, cache, mask, flags); generate's cache
+is a dynamic cache of full-attention layers only; the attention mask, if any, is all ones (read
+once per decode stage: one sync); and every MoE layer runs static or direct this step. Otherwise
+the step runs op by op, counted by reason in ``report()``.
+
+Invariants: the static cache's first ``static_len`` positions are the sequence's (those of
+generate's cache, and those the graph wrote after them); generate's cache is complete whenever
+anything but a graph step reads it; a graph is replayed only with the tensors it captured
+(``tiers.graphs``: the static cache and the slot caches of the stage are its bound tensors).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from tiers.graphs import DecodeGraphs
+
+# what generate passes a decode step (transformers 5.x spells the cache either way)
+_PASSED = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "cache_position", "use_cache",
+           "return_dict", "logits_to_keep", "output_attentions", "output_hidden_states"}
+
+
+class StepGraphs:
+    """The model's forward, with generate's batch-1 decode steps replayed as one graph (see the
+    module docstring). ``enabled`` False: every call goes to the model's forward."""
+
+    MIN_POSITIONS = 1024
+
+    def __init__(self, model: torch.nn.Module, manager: Any, enabled: bool, graph: Callable[[], Any] | None = None):
+        self.model, self.mgr = model, manager
+        self.forward = model.forward
+        params = inspect.signature(self.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.pass_position = "cache_position" in params
+        self.keep_logits = "logits_to_keep" in params
+        text = model.config.get_text_config(decoder=True)
+        self.text_config = text
+        self.top_k = getattr(text, "num_experts_per_tok", None)
+        self.enabled = enabled and self.top_k is not None
+        self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)
+        self.cache: Any = None  # the static cache (transformers' StaticCache), kept across generates
+        self.capacity = 0
+        self.static_len = 0  # positions of the current sequence the static cache holds
+        self.dyn: Any = None  # generate's cache in this decode stage
+        self.mask_ok: bool | None = None  # the stage's attention mask was all ones (None: not read yet)
+        self.output_type: type | None = None  # the model's output class, from its last own forward
+        self.steps = 0
+        self.eager: Counter = Counter()
+
+    # -- the forward ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        if not (self.enabled and self.mgr.decoding):
+            return self._own(*args, **kwargs)
+        why = self._why_not(args, kwargs)
+        if why is None:
+            out = self._step(kwargs)
+            if out is not None:
+                return out
+            why = "layers"
+        self.eager[why] += 1
+        self._give_back()
+        return self._own(*args, **kwargs)
+
+    def _own(self, *args, **kwargs):
+        out = self.forward(*args, **kwargs)
+        self.output_type = type(out)
+        return out
+
+    def _why_not(self, args: tuple, kwargs: dict) -> str | None:
+        """Why this call cannot run as a graph step (None: it can); no side effect but the
+        stage's one mask read."""
+        if args or not set(kwargs) <= _PASSED:
+            return "arguments"
+        ids = kwargs.get("input_ids")
+        if ids is None or ids.shape != (1, 1):
+            return "shape"
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("use_cache") is False \
+                or kwargs.get("return_dict") is False:
+            return "arguments"
+        if kwargs.get("cache_position") is None and kwargs.get("position_ids") is None:
+            return "arguments"
+        if self.output_type is None:
+            return "arguments"
+        dyn = kwargs.get(self.cache_kw)
+        if not _plain_dynamic(dyn):
+            return "cache"
+        if self.dyn is not None and dyn is not self.dyn:
+            return "cache"  # another cache within one stage: left to the model
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if self.mask_ok is None:
+                self.mask_ok = bool(mask.all())  # once per stage: later steps only append ones
+            if not self.mask_ok:
+                return "padding"
+        return None
+
+    def _step(self, kwargs: dict) -> Any:
+        """Run one decode step as the graph; None (nothing changed but the token's host work,
+        which the manager keeps) when a layer cannot run inside it."""
+        dyn = kwargs[self.cache_kw]
+        if self.dyn is None:
+            self.dyn, self.static_len = dyn, 0
+        have = dyn.get_seq_length()
+        pos = max(have, self.static_len)
+        self._fit(pos + 1, dyn)
+        if have > self.static_len:
+            self._copy_in(dyn, self.static_len, have)
+            self.static_len = have
+        if not self.mgr.begin_step(self.top_k):
+            return None
+        position = kwargs.get("cache_position")
+        position = kwargs["position_ids"].reshape(1) if position is None else position.reshape(1)
+        bound = [t for layer in self.cache.layers for t in (layer.keys, layer.values)] + self.mgr.step_bound()
+        logits = self.graphs.run(("step", self.capacity), bound, self._replayed, (kwargs["input_ids"], position))
+        self.static_len = pos + 1
+        self.steps += 1
+        return self.output_type(logits=logits, **{self.cache_kw: dyn})
+
+    def _replayed(self, ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """The step a graph captures: the model's forward on the static cache, its experts calls
+        doing only their device work."""
+        mgr = self.mgr
+        mgr.in_step = True
+        try:
+            with mgr.graphs.inlined(), torch.no_grad():
+                for layer in self.cache.layers:  # a cache that counts its own length (newer transformers)
+                    length = getattr(layer, "cumulative_length", None)
+                    if isinstance(length, torch.Tensor):
+                        length.copy_(position.reshape(length.shape))
+                kw = {self.cache_kw: self.cache, "position_ids": position.view(1, 1), "use_cache": True, "return_dict": True}
+                if self.pass_position:
+                    kw["cache_position"] = position
+                if self.keep_logits:
+                    kw["logits_to_keep"] = 1
+                return self.forward(input_ids=ids, **kw).logits
+        finally:
+            mgr.in_step = False
+
+    # -- the two caches -----------------------------------------------------------------------
+    def _fit(self, positions: int, dyn: Any) -> None:
+        """A static cache of at least ``positions`` positions, shaped as ``dyn``'s layers: the one
+        held, or one twice as large with what it held copied over (its old graph dropped)."""
+        if self.cache is not None and positions <= self.capacity:
+            return
+        from transformers import StaticCache
+
+        size = max(self.MIN_POSITIONS, self.capacity)
+        while size < positions:
+            size *= 2
+        first = dyn.layers[0].keys
+        with torch.inference_mode(False), torch.no_grad():  # kept across calls, some outside inference mode
+            cache = StaticCache(config=self.text_config, max_cache_len=size)
+            cache.early_initialization(batch_size=1, num_heads=first.shape[1], head_dim=first.shape[-1], dtype=first.dtype,
+                                       device=first.device)
+            if self.cache is not None and self.static_len:
+                for new, old in zip(cache.layers, self.cache.layers):
+                    new.keys[:, :, : self.static_len].copy_(old.keys[:, :, : self.static_len])
+                    new.values[:, :, : self.static_len].copy_(old.values[:, :, : self.static_len])
+        self.graphs.drop(("step", self.capacity))
+        self.cache, self.capacity = cache, size
+
+    def _copy_in(self, dyn: Any, start: int, end: int) -> None:
+        """Positions [start, end) of generate's cache into the static one."""
+        for s, d in zip(self.cache.layers, dyn.layers):
+            s.keys[:, :, start:end].copy_(d.keys[:, :, start:end])
+            s.values[:, :, start:end].copy_(d.values[:, :, start:end])
+
+    def _give_back(self) -> None:
+        """Generate's cache gets the positions only the static cache holds (the graph wrote them),
+        before anything else reads it."""
+        dyn = self.dyn
+        if dyn is None:
+            return
+        have = dyn.get_seq_length()
+        if self.static_len > have:
+            for i, s in enumerate(self.cache.layers):
+                dyn.update(s.keys[:, :, have:self.static_len].clone(), s.values[:, :, have:self.static_len].clone(), i)
+
+    def begin_stage(self) -> None:
+        """A decode stage begins: its sequence starts from generate's cache alone."""
+        self.dyn, self.static_len, self.mask_ok = None, 0, None
+
+    def end_stage(self) -> None:
+        """The decode stage ended: generate's cache gets every position (what generate returns)."""
+        self._give_back()
+        self.dyn, self.static_len, self.mask_ok = None, 0, None
+
+    # -- stats --------------------------------------------------------------------------------
+    def report(self) -> dict:
+        g = self.graphs.counts()
+        cache = 0 if self.cache is None else sum(t.numel() * t.element_size() for layer in self.cache.layers
+                                                 for t in (layer.keys, layer.values))
+        return {"on": int(self.enabled), "steps": self.steps, "captured": g["captured"], "failed": g["failed"],
+                "eager": dict(self.eager), "cache_bytes": cache, "positions": self.capacity}
+
+    def reset_counts(self) -> None:
+        self.steps = 0
+        self.eager.clear()
+        self.graphs.reset_counts()
+
+
+def _plain_dynamic(cache: Any) -> bool:
+    """A transformers DynamicCache whose layers are all full-attention ones, each already filled."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    return (type(cache) is DynamicCache and bool(cache.layers)
+            and all(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None and layer.keys.numel()
+                    for layer in cache.layers))
+
+
+def install(model: torch.nn.Module, manager: Any, graph: Callable[[], Any] | None = None) -> StepGraphs:
+    """Put a ``StepGraphs`` in place of ``model.forward`` (generate reads the forward's signature,
+    which the wrapper keeps) and give it to ``manager`` (``manager.steps``: its stage and stats).
+    ``graph``: what a graph is (default: a CUDA graph on CUDA, ``tiers.graphs.HostGraph`` elsewhere)."""
+    steps = StepGraphs(model, manager, True, graph=graph)
+    manager.steps = steps
+
+    @functools.wraps(steps.forward)
+    def forward(*args, **kwargs):
+        return steps(*args, **kwargs)
+
+    model.forward = forward
+    return steps
