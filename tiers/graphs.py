@@ -204,11 +204,6 @@ class DecodeGraphs:
             return out
         return tuple(x.clone() for x in out) if isinstance(out, tuple) else out.clone()
 
-    def drop(self, key: Hashable) -> None:
-        """Forget every graph of ``key`` (any input shapes): its tensors are gone for good."""
-        for k in [k for k in self._entries if k[0] == key]:
-            del self._entries[k]
-
     def reset_counts(self) -> None:
         self.captured = self.replayed = self.eager_calls = self.failed = 0
 

@@ -30,10 +30,12 @@ How a step runs:
   graph is captured once per size, not per call.
 
 A step qualifies when: the manager says it is generate's decode stage; one sequence, one token;
-the call passes only what generate passes (ids, positions, cache, mask, flags); generate's cache
-is a dynamic cache of full-attention layers only; the attention mask, if any, is all ones (read
-once per decode stage: one sync); and every MoE layer runs static or direct this step. Otherwise
-the step runs op by op, counted by reason in ``report()``.
+the call passes only what generate passes (ids, positions, cache, mask, flags; without
+positions, the token goes at the cache's end, as the model would put it); generate's cache is a
+dynamic cache of full-attention layers only, keys and values of one head size (not DeepSeek's
+MLA); the attention mask, if any, is all ones (read once per decode stage: one sync); and every
+MoE layer runs static or direct this step. Otherwise the step runs op by op, counted by reason
+in ``report()``.
 
 Invariants: the static cache's first ``static_len`` positions are the sequence's (those of
 generate's cache, and those the graph wrote after them); generate's cache is complete whenever
@@ -73,7 +75,9 @@ class StepGraphs:
         self.text_config = text
         self.top_k = getattr(text, "num_experts_per_tok", None)
         self.enabled = enabled and self.top_k is not None
-        self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)
+        self._graph = graph
+        self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)  # one per cache size (see ``_fit``)
+        self._retired = Counter()  # the counts of the graphs of sizes left behind
         self.cache: Any = None  # the static cache (transformers' StaticCache), kept across generates
         self.capacity = 0
         self.static_len = 0  # positions of the current sequence the static cache holds
@@ -113,8 +117,6 @@ class StepGraphs:
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("use_cache") is False \
                 or kwargs.get("return_dict") is False:
             return "arguments"
-        if kwargs.get("cache_position") is None and kwargs.get("position_ids") is None:
-            return "arguments"
         if self.output_type is None:
             return "arguments"
         dyn = kwargs.get(self.cache_kw)
@@ -145,7 +147,11 @@ class StepGraphs:
         if not self.mgr.begin_step(self.top_k):
             return None
         position = kwargs.get("cache_position")
-        position = kwargs["position_ids"].reshape(1) if position is None else position.reshape(1)
+        if position is None:
+            position = kwargs.get("position_ids")
+        if position is None:  # as the model would: the cache's length (the static cache's, ahead of generate's)
+            position = torch.full((1,), pos, dtype=torch.int64, device=kwargs["input_ids"].device)
+        position = position.reshape(1)
         bound = [t for layer in self.cache.layers for t in (layer.keys, layer.values)] + self.mgr.step_bound()
         logits = self.graphs.run(("step", self.capacity), bound, self._replayed, (kwargs["input_ids"], position))
         self.static_len = pos + 1
@@ -175,7 +181,7 @@ class StepGraphs:
     # -- the two caches -----------------------------------------------------------------------
     def _fit(self, positions: int, dyn: Any) -> None:
         """A static cache of at least ``positions`` positions, shaped as ``dyn``'s layers: the one
-        held, or one twice as large with what it held copied over (its old graph dropped)."""
+        held, or one twice as large with what it held copied over (its old graph dropped with its pool)."""
         if self.cache is not None and positions <= self.capacity:
             return
         from transformers import StaticCache
@@ -192,7 +198,11 @@ class StepGraphs:
                 for new, old in zip(cache.layers, self.cache.layers):
                     new.keys[:, :, : self.static_len].copy_(old.keys[:, :, : self.static_len])
                     new.values[:, :, : self.static_len].copy_(old.values[:, :, : self.static_len])
-        self.graphs.drop(("step", self.capacity))
+        if self.cache is not None:
+            # a new pool for the new size: the old graph goes with its own (a CUDA graph pool whose
+            # graphs are all gone cannot take a capture)
+            self._retired.update(self.graphs.counts())
+            self.graphs = DecodeGraphs(self.mgr.device, self.enabled, graph=self._graph)
         self.cache, self.capacity = cache, size
 
     def _copy_in(self, dyn: Any, start: int, end: int) -> None:
@@ -223,7 +233,7 @@ class StepGraphs:
 
     # -- stats --------------------------------------------------------------------------------
     def report(self) -> dict:
-        g = self.graphs.counts()
+        g = self._retired + Counter(self.graphs.counts())
         cache = 0 if self.cache is None else sum(t.numel() * t.element_size() for layer in self.cache.layers
                                                  for t in (layer.keys, layer.values))
         return {"on": int(self.enabled), "steps": self.steps, "captured": g["captured"], "failed": g["failed"],
@@ -233,6 +243,7 @@ class StepGraphs:
         self.steps = 0
         self.eager.clear()
         self.graphs.reset_counts()
+        self._retired.clear()
 
 
 def _plain_dynamic(cache: Any) -> bool:
@@ -241,6 +252,7 @@ def _plain_dynamic(cache: Any) -> bool:
 
     return (type(cache) is DynamicCache and bool(cache.layers)
             and all(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None and layer.keys.numel()
+                    and layer.keys.shape == layer.values.shape  # keys and values of one head size (not MLA's)
                     for layer in cache.layers))
 
 

@@ -26,6 +26,10 @@ DIRECT_BF16 = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"
 
 
 def _load(packed, cfg, device, *, direct=True):
+    # step graphs off: these tests spy on the direct calls one by one (tests/tiers/test_step_graph.py
+    # checks the same calls inside whole-step graphs against them)
+    t = cfg["tiers"]
+    cfg = {"tiers": t | {"gpu": t.get("gpu", {}) | {"step_graphs": False}}}
     model = tiers.load(packed, cfg, device=device, progress=False)
     mgr = manager_of(model)
     mgr.batched_decode = True  # what a GPU does; forced on the CPU

@@ -200,7 +200,8 @@ REBALANCE = {"every_tokens": 2, "margin": 0.0, "significance": 0.0, "window": 2}
 
 
 def _load(packed, cfg, device, graphs: bool):
-    cfg = {"tiers": cfg["tiers"] | {"gpu": cfg["tiers"]["gpu"] | {"decode_graphs": graphs}}}
+    # step graphs off: these tests check the layer calls' own graphs (tests/tiers/test_step_graph.py replays whole steps)
+    cfg = {"tiers": cfg["tiers"] | {"gpu": cfg["tiers"]["gpu"] | {"decode_graphs": graphs, "step_graphs": False}}}
     model = tiers.load(packed, cfg, device=device, progress=False)
     mgr = manager_of(model)
     mgr.batched_decode = True  # what a GPU does; forced on the CPU

@@ -15,6 +15,7 @@ then differ more (a tiny Mixtral's layer 2 picked expert 7 or 3 at gate weights 
 """
 from __future__ import annotations
 
+import inspect
 import statistics
 
 import pytest
@@ -230,3 +231,31 @@ def test_all_hot_layers_run_inside_the_graph_and_count_once(device, packed_facto
     assert b.step_graphs["steps"] == NEW - 1 and b.step_graphs["eager"] == {}
     assert a.hits == b.hits and b.hits["gpu"] > 0
     assert_close_to(ref, out)
+
+
+def _manual_decode(model, ids, steps: int):
+    """Greedy decode by hand inside generate's decode switch, passing no positions (as
+    ``tools.measure.interleaved_decode`` does): each step's logits, and the cache at the end."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        tok, cache = out.logits[:, -1:].argmax(-1), out[name]
+        with model._optimize_model_for_decode():
+            for _ in range(steps):
+                out = model(input_ids=tok, use_cache=True, **{name: cache})
+                logits.append(out.logits[:, -1].float())
+                tok, cache = out.logits[:, -1:].argmax(-1), out[name]
+    return logits, cache
+
+
+def test_calls_without_positions_put_the_token_at_the_cache_end(device, packed_factory):
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    ref, ref_cache = _manual_decode(_load(packed, device, steps=False)[0], ids, NEW - 1)
+    model, mgr = _load(packed, device)
+    got, cache = _manual_decode(model, ids, NEW - 1)
+    assert mgr.stats().step_graphs["steps"] == NEW - 1
+    assert [x.argmax() for x in ref] == [x.argmax() for x in got]
+    assert statistics.median(_sqnr(a, b) for a, b in zip(ref, got)) >= 40.0
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == ids.shape[1] + NEW - 1
