@@ -34,8 +34,9 @@ the call passes only what generate passes (ids, positions, cache, mask, flags; w
 positions, the token goes at the cache's end, as the model would put it); generate's cache is a
 dynamic cache of full-attention layers only, keys and values of one head size (not DeepSeek's
 MLA); the attention mask, if any, is all ones (read once per decode stage: one sync); and every
-MoE layer runs static or direct this step. Otherwise the step runs op by op, counted by reason
-in ``report()``.
+MoE layer runs static or direct this step; and no forward hook is set on the model's modules
+(a graph would replay what a hook did at the capture). Otherwise the step runs op by op, counted
+by reason in ``report()``.
 
 Invariants: the static cache's first ``static_len`` positions are the sequence's (those of
 generate's cache, and those the graph wrote after them); generate's cache is complete whenever
@@ -67,6 +68,7 @@ class StepGraphs:
     def __init__(self, model: torch.nn.Module, manager: Any, enabled: bool, graph: Callable[[], Any] | None = None):
         self.model, self.mgr = model, manager
         self.forward = model.forward
+        self.modules = list(model.modules())  # whose hooks ``_why_not`` looks for
         params = inspect.signature(self.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.pass_position = "cache_position" in params
@@ -119,6 +121,8 @@ class StepGraphs:
             return "arguments"
         if self.output_type is None:
             return "arguments"
+        if _hooked(self.modules):
+            return "hooks"
         dyn = kwargs.get(self.cache_kw)
         if not _plain_dynamic(dyn):
             return "cache"
@@ -244,6 +248,17 @@ class StepGraphs:
         self.eager.clear()
         self.graphs.reset_counts()
         self._retired.clear()
+
+
+def _hooked(modules: list[torch.nn.Module]) -> bool:
+    """Whether a forward hook would run in a step: on any of ``modules``, or on every module.
+    A hook runs on the host at each call, and a graph replays what it did at the capture (a
+    routing hook that hands out each call's picks from a host-side counter would route every
+    replayed step as the captured one)."""
+    nn = torch.nn.modules.module
+    if nn._global_forward_hooks or nn._global_forward_pre_hooks:
+        return True
+    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
 
 
 def _plain_dynamic(cache: Any) -> bool:

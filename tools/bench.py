@@ -281,6 +281,7 @@ def run(args) -> dict:
                 if n > 1:
                     rebalanced.append(rebalancer_change(mgr, before))
                 graphs = st.graphs  # the last timed generate's decode graphs
+                step_graphs = st.step_graphs  # ... and its whole-step graphs (tiers.step_graph)
             with routed(paired, name):
                 for n in paired_runs:
                     sync(device)
@@ -330,6 +331,7 @@ def run(args) -> dict:
             "host_compute": s.host_compute,
             "prefetch": s.prefetch,
             "decode_graphs": graphs,
+            "step_graphs": step_graphs,
             "host_pinned": bool(s.memory["host_pinned"]),
             # each repetition's decode, the arm's and its pair's (timed one after the other): how
             # far the host's slow phases move single repetitions, which the medians above hide

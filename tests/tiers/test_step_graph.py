@@ -259,3 +259,23 @@ def test_calls_without_positions_put_the_token_at_the_cache_end(device, packed_f
     assert [x.argmax() for x in ref] == [x.argmax() for x in got]
     assert statistics.median(_sqnr(a, b) for a, b in zip(ref, got)) >= 40.0
     assert cache.get_seq_length() == ref_cache.get_seq_length() == ids.shape[1] + NEW - 1
+
+
+def test_hooked_models_run_op_by_op(device, packed_factory):
+    """A forward hook runs on the host at every call; a graph would replay what it did at the
+    capture. The bench's trace routing hands out each call's picks from a host-side counter:
+    replayed, every step would route as the captured one. With a hook set, steps run op by op."""
+    from tools.routing import TraceRouting
+
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    outs = []
+    for steps in (False, True):
+        model, mgr = _load(packed, device, steps=steps)
+        with TraceRouting(model, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=64):
+            outs.append(model.generate(ids, **GEN))
+    assert mgr.stats().step_graphs["eager"] == {"hooks": NEW - 1} and mgr.stats().step_graphs["steps"] == 0
+    assert torch.equal(outs[0].sequences, outs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].logits, outs[1].logits))
+    model.generate(ids, **GEN)  # the hooks are gone: steps replay again
+    assert mgr.stats().step_graphs["steps"] == NEW - 1
