@@ -115,6 +115,14 @@ class TierStats:
             g = self.graphs
             lines.append(f"decode graphs: {g['replayed']} layer calls replayed from {g['graphs']} graphs ({g['captured']} captured, "
                          f"{g['eager']} calls eager, {g['failed']} captures failed)")
+        if self.step_graphs.get("steps") or self.step_graphs.get("eager"):
+            g = self.step_graphs
+            eager = ", ".join(f"{n} {why}" for why, n in sorted(g["eager"].items())) or "none"
+            lines.append(f"step graphs: {g['steps']} decode steps run whole as one graph ({g['captured']} captured, {g['failed']} "
+                         f"captures failed); steps op by op: {eager}")
+        if self.untimed_bytes:
+            lines.append(f"  {self.untimed_bytes / mib:.1f} MiB of the staged bytes were read inside step graphs, untimed: "
+                         "left out of the GB/s above")
         if self.streamed.get("calls"):
             lines.append(f"streamed: {self.streamed['calls']} long layer calls read in {self.streamed['parts']} parts into reserved slots")
             if self.streamed.get("whole"):

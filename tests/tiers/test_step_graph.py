@@ -279,3 +279,15 @@ def test_hooked_models_run_op_by_op(device, packed_factory):
     assert all(torch.equal(a, b) for a, b in zip(outs[0].logits, outs[1].logits))
     model.generate(ids, **GEN)  # the hooks are gone: steps replay again
     assert mgr.stats().step_graphs["steps"] == NEW - 1
+
+
+def test_the_stats_table_says_what_step_graphs_did(device, packed_factory):
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    model, mgr = _load(packed, device)
+    model.generate(_prompt(device), **GEN)
+    model.generate(torch.cat([_prompt(device)] * 2), **GEN)
+    text = str(mgr.stats())
+    assert f"step graphs: {NEW - 1} decode steps run whole" in text and f"{NEW - 1} shape" in text, text
+    assert "read inside step graphs, untimed" in text
+    d = mgr.stats().as_dict()
+    assert d["step_graphs"]["steps"] == NEW - 1 and d["untimed_bytes"] > 0
