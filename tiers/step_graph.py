@@ -81,6 +81,7 @@ class StepGraphs:
         self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)  # one per cache size (see ``_fit``)
         self._retired = Counter()  # the counts of the graphs of sizes left behind
         self.cache: Any = None  # the static cache (transformers' StaticCache), kept across generates
+        self.kv: list[torch.Tensor] = []  # its keys and values, layer by layer: what a step graph binds of it
         self.capacity = 0
         self.static_len = 0  # positions of the current sequence the static cache holds
         self.dyn: Any = None  # generate's cache in this decode stage
@@ -156,7 +157,7 @@ class StepGraphs:
         if position is None:  # as the model would: the cache's length (the static cache's, ahead of generate's)
             position = torch.full((1,), pos, dtype=torch.int64, device=kwargs["input_ids"].device)
         position = position.reshape(1)
-        bound = [t for layer in self.cache.layers for t in (layer.keys, layer.values)] + self.mgr.step_bound()
+        bound = self.kv + self.mgr.step_bound()
         logits = self.graphs.run(("step", self.capacity), bound, self._replayed, (kwargs["input_ids"], position))
         self.static_len = pos + 1
         self.steps += 1
@@ -208,6 +209,7 @@ class StepGraphs:
             self._retired.update(self.graphs.counts())
             self.graphs = DecodeGraphs(self.mgr.device, self.enabled, graph=self._graph)
         self.cache, self.capacity = cache, size
+        self.kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
     def _copy_in(self, dyn: Any, start: int, end: int) -> None:
         """Positions [start, end) of generate's cache into the static one."""
@@ -238,8 +240,7 @@ class StepGraphs:
     # -- stats --------------------------------------------------------------------------------
     def report(self) -> dict:
         g = self._retired + Counter(self.graphs.counts())
-        cache = 0 if self.cache is None else sum(t.numel() * t.element_size() for layer in self.cache.layers
-                                                 for t in (layer.keys, layer.values))
+        cache = sum(t.numel() * t.element_size() for t in self.kv)
         return {"on": int(self.enabled), "steps": self.steps, "captured": g["captured"], "failed": g["failed"],
                 "eager": dict(self.eager), "cache_bytes": cache, "positions": self.capacity}
 
