@@ -9,5 +9,6 @@ from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
 from tiers.integration import load, routing_counts, save_routing, stats
 from tiers.stats import TierStats
+from tiers.step_graph import graph_safe
 
-__all__ = ["IntegrityError", "TierStats", "TiersConfig", "load", "load_config", "routing_counts", "save_routing", "stats"]
+__all__ = ["IntegrityError", "TierStats", "TiersConfig", "graph_safe", "load", "load_config", "routing_counts", "save_routing", "stats"]

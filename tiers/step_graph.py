@@ -34,9 +34,10 @@ the call passes only what generate passes (ids, positions, cache, mask, flags; w
 positions, the token goes at the cache's end, as the model would put it); generate's cache is a
 dynamic cache of full-attention layers only, keys and values of one head size (not DeepSeek's
 MLA); the attention mask, if any, is all ones (read once per decode stage: one sync); and every
-MoE layer runs static or direct this step; and no forward hook is set on the model's modules
-(a graph would replay what a hook did at the capture). Otherwise the step runs op by op, counted
-by reason in ``report()``.
+MoE layer runs static or direct this step; and every forward hook set on the model's modules (or
+on all modules) is marked ``graph_safe`` (a graph replays what a hook did at the capture: only
+its kernels). Otherwise the step runs op by op, counted by reason in ``report()``. The marked
+hooks set at a step are part of its graph's key: a step with other hooks captures anew.
 
 Invariants: the static cache's first ``static_len`` positions are the sequence's (those of
 generate's cache, and those the graph wrote after them); generate's cache is complete whenever
@@ -87,6 +88,7 @@ class StepGraphs:
         self.dyn: Any = None  # generate's cache in this decode stage
         self.mask_ok: bool | None = None  # the stage's attention mask was all ones (None: not read yet)
         self.output_type: type | None = None  # the model's output class, from its last own forward
+        self.hooks: tuple = ()  # the graph-safe hooks the current step runs (``_safe_hooks``)
         self.steps = 0
         self.eager: Counter = Counter()
 
@@ -111,7 +113,7 @@ class StepGraphs:
 
     def _why_not(self, args: tuple, kwargs: dict) -> str | None:
         """Why this call cannot run as a graph step (None: it can); no side effect but the
-        stage's one mask read."""
+        stage's one mask read and noting the step's hooks (``self.hooks``)."""
         if args or not set(kwargs) <= _PASSED:
             return "arguments"
         ids = kwargs.get("input_ids")
@@ -122,8 +124,10 @@ class StepGraphs:
             return "arguments"
         if self.output_type is None:
             return "arguments"
-        if _hooked(self.modules):
+        hooks = _safe_hooks(self.modules)
+        if hooks is None:
             return "hooks"
+        self.hooks = hooks
         dyn = kwargs.get(self.cache_kw)
         if not _plain_dynamic(dyn):
             return "cache"
@@ -158,7 +162,9 @@ class StepGraphs:
             position = torch.full((1,), pos, dtype=torch.int64, device=kwargs["input_ids"].device)
         position = position.reshape(1)
         bound = self.kv + self.mgr.step_bound()
-        logits = self.graphs.run(("step", self.capacity), bound, self._replayed, (kwargs["input_ids"], position))
+        # the hooks themselves in the key: a graph holds their kernels, and the key keeps what they
+        # read alive for as long as the graph may replay
+        logits = self.graphs.run(("step", self.capacity, self.hooks), bound, self._replayed, (kwargs["input_ids"], position))
         self.static_len = pos + 1
         self.steps += 1
         return self.output_type(logits=logits, **{self.cache_kw: dyn})
@@ -251,15 +257,39 @@ class StepGraphs:
         self._retired.clear()
 
 
-def _hooked(modules: list[torch.nn.Module]) -> bool:
-    """Whether a forward hook would run in a step: on any of ``modules``, or on every module.
-    A hook runs on the host at each call, and a graph replays what it did at the capture (a
-    routing hook that hands out each call's picks from a host-side counter would route every
-    replayed step as the captured one)."""
+GRAPH_SAFE = "__tiers_graph_safe__"
+
+
+def graph_safe(hook: Callable) -> Callable:
+    """Mark a forward hook (or pre-hook) as one a step graph may hold, and return it.
+
+    A step graph runs the hook once, at its capture, and then replays only the kernels it
+    launched. So a marked hook must keep all its state that changes from call to call in device
+    tensors and update it with kernels (a counter it adds to in place, say), never read a device
+    tensor on the host, and keep every tensor it reads or writes alive at one address while it is
+    set (``tools.routing.TraceRouting`` is one). An unmarked hook keeps steps op by op.
+    ``hook``: a function or ``functools.partial`` (a bound method takes no attribute: wrap it)."""
+    try:
+        setattr(hook, GRAPH_SAFE, True)
+    except AttributeError:
+        raise TypeError(f"graph_safe: cannot mark {hook!r}; pass a function or a functools.partial") from None
+    return hook
+
+
+def _safe_hooks(modules: list[torch.nn.Module]) -> tuple | None:
+    """The forward hooks a step would run (global ones and those on ``modules``), in order, when
+    all are marked ``graph_safe``; None when any is not. A hook runs on the host at each call,
+    and a graph replays what it did at the capture: a routing hook that hands out each call's
+    picks from a host-side counter would route every replayed step as the captured one."""
     nn = torch.nn.modules.module
-    if nn._global_forward_hooks or nn._global_forward_pre_hooks:
-        return True
-    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
+    found: list = []
+    for hooks in (nn._global_forward_pre_hooks, nn._global_forward_hooks,
+                  *(h for m in modules for h in (m._forward_pre_hooks, m._forward_hooks) if h)):
+        for hook in hooks.values():
+            if not getattr(hook, GRAPH_SAFE, False):
+                return None
+            found.append(hook)
+    return tuple(found)
 
 
 def _plain_dynamic(cache: Any) -> bool:

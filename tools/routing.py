@@ -8,9 +8,12 @@ accelerate's ``dispatch_model``, Tiers) sees the same skewed sequence of picks. 
 ``nn.Module.__call__``'s pre-hook list, so they run whatever experts implementation is selected and
 also when accelerate has replaced the module's ``forward`` with its wrapper.
 
-Invariant: a hook never reads a device tensor on the host and never syncs. The trace is sampled
-once, copied once to each device it is asked for, and each layer hands out its next consecutive
-rows by a host-side counter (wrapping around at the end of the trace): a decode step costs a slice.
+Invariant: a hook never reads a device tensor on the host and never syncs, and keeps no host state
+that changes between calls, so a CUDA graph that captured it routes each replay by the next rows
+(the hooks are marked ``tiers.step_graph.graph_safe``: Tiers' step graphs run with them set). The
+trace is sampled once and placed on one device with one counter per layer beside it; a call takes
+its rows by a gather at the counter (modulo the trace's length: it wraps around) and adds its
+token count to the counter in place: four small kernels per layer call, the same in every arm.
 ``top_k_weights`` is passed on untouched, and after ``remove()`` the model routes exactly as before.
 """
 from __future__ import annotations
@@ -21,6 +24,7 @@ import weakref
 import torch
 
 from loader.layout import find_experts_modules
+from tiers.step_graph import graph_safe
 from tiers.trace import TraceModel
 
 # experts module -> the TraceRouting that routes it: two live routings on one module would stack.
@@ -37,9 +41,9 @@ class TraceRouting:
     - ``tokens``: trace length sampled up front (4096 covers a 2048-token prefill plus decode);
       a layer that runs past the end wraps around to row 0.
     - ``top_k``: picks per token; default ``config.num_experts_per_tok``. Every call must match it.
-    - ``device``: where the trace is placed up front; default the device of the model's first
-      parameter not on the meta device. A call whose ``top_k_index`` lives elsewhere gets a copy
-      made once on its first call there.
+    - ``device``: where the trace and the counters live; default the device of the model's first
+      parameter not on the meta device. A call whose ``top_k_index`` lives elsewhere gets its rows
+      copied there (a sync when that is the host and the trace is on a GPU).
 
     Each call of a layer's experts module with ``T`` tokens gets that layer's next ``T`` rows, in
     the flattened token order the MoE block sees (batch-major). Layers count separately, so every
@@ -74,13 +78,13 @@ class TraceRouting:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # the key a tensor's .device will have
-        self._by_device: dict[torch.device, torch.Tensor] = {torch.device("cpu"): cpu}
-        if device.type != "cpu":
-            self._by_device[device] = cpu.to(device)
-        self._next = [0] * len(mods)  # per layer column: the next trace row to hand out
+        self._cpu = cpu
+        self._rows = cpu.to(device)  # [L, N, k] on the counters' device
+        self._next = torch.zeros(len(mods), dtype=torch.long, device=device)  # per layer column: rows handed out so far
+        self._offsets = torch.arange(tokens, device=device)  # a call of T <= N tokens takes rows next + [0, T)
         self._handles = []
         for column, (name, m) in enumerate(mods.values()):
-            hook = functools.partial(self._pre_hook, column)
+            hook = graph_safe(functools.partial(self._pre_hook, column))
             # prepend: other pre-hooks (and accelerate's wrapper, which runs inside forward) see the trace
             self._handles.append(m.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
             _ROUTED[m] = self
@@ -90,7 +94,7 @@ class TraceRouting:
     @property
     def trace(self) -> torch.Tensor:
         """[tokens, layers, top_k] the pre-sampled picks (a CPU view; column i is ``self.layers[i]``)."""
-        return self._by_device[torch.device("cpu")].transpose(0, 1)
+        return self._cpu.transpose(0, 1)
 
     def popularity(self) -> torch.Tensor:
         """[layers, experts] the Zipf prior the picks are drawn from."""
@@ -98,34 +102,28 @@ class TraceRouting:
 
     @property
     def positions(self) -> dict[int, int]:
-        """layer -> the next trace row that layer hands out."""
-        return dict(zip(self.layers, self._next))
+        """layer -> the next trace row that layer hands out (reads the counters: a sync on a GPU)."""
+        return dict(zip(self.layers, (self._next % self.tokens).tolist()))
 
     def reset(self) -> None:
         """Rewind every layer to row 0, so the next run sees the same picks as the first."""
-        self._next = [0] * len(self._next)
+        self._next.zero_()
 
     # -- hooks -----------------------------------------------------------------------------
     def _rows_no_sync(self, column: int, index: torch.Tensor) -> torch.Tensor:
-        """The next ``T`` rows of one layer, on ``index``'s device: slices and, when wrapping, a cat."""
+        """The next ``T`` rows of one layer, on ``index``'s device, by kernels alone: offsets from
+        the layer's counter modulo the trace length, a gather, and the counter moved on."""
         if index.dim() != 2 or index.shape[1] != self.trace_model.top_k:
             raise ValueError(f"top_k_index of layer {self.layers[column]} has shape {tuple(index.shape)}; "
                              f"this TraceRouting hands out [tokens, {self.trace_model.top_k}] (pass top_k=)")
-        trace = self._by_device.get(index.device)
-        if trace is None:  # a device not seen before: one copy, once (not per call)
-            trace = self._by_device[index.device] = self._by_device[torch.device("cpu")].to(index.device)
-        rows = trace[column]  # [N, k]
-        n, start, want = self.tokens, self._next[column], index.shape[0]
-        self._next[column] = (start + want) % n
-        if start + want <= n:
-            out = rows[start:start + want]  # [T, k], a view: no copy
-        else:
-            pieces = [rows[start:]]
-            left = want - (n - start)
-            while left > 0:
-                pieces.append(rows[:min(left, n)])
-                left -= n
-            out = torch.cat(pieces)  # [T, k]
+        want = index.shape[0]
+        offsets = self._offsets[:want] if want <= self.tokens else torch.arange(want, device=self._next.device)
+        counter = self._next[column]  # a 0-d view: the add below moves this layer's counter on
+        at = torch.add(offsets, counter).remainder_(self.tokens)  # [T] the trace rows, wrapping at the end
+        out = self._rows[column].index_select(0, at)  # [T, k]
+        counter.add_(want)
+        if out.device != index.device:
+            out = out.to(index.device)
         return out if out.dtype == index.dtype else out.to(index.dtype)
 
     def _pre_hook(self, column: int, module: torch.nn.Module, args: tuple, kwargs: dict):

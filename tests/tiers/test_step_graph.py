@@ -38,14 +38,14 @@ def _cfg(steps: bool, **extra) -> dict:
     return {"tiers": {**t, "gpu": {**t["gpu"], "step_graphs": steps}, **extra}}
 
 
-def _load(packed, device, steps=True, **extra):
+def _load(packed, device, steps=True, graph=HostGraph, **extra):
     model = tiers.load(packed, _cfg(steps, **extra), device=device, progress=False)
     mgr = manager_of(model)
     mgr.batched_decode = True  # what a GPU does; forced on the CPU
     if device.type == "cpu":
         mgr.direct_decode = mgr.cfg.cpu.direct_reads  # the torch reference stands in for the kernel
         if steps:
-            step_graph.install(model, mgr, graph=HostGraph)
+            step_graph.install(model, mgr, graph=graph)
     assert (mgr.steps is not None) == steps
     return model, mgr
 
@@ -261,24 +261,102 @@ def test_calls_without_positions_put_the_token_at_the_cache_end(device, packed_f
     assert cache.get_seq_length() == ref_cache.get_seq_length() == ids.shape[1] + NEW - 1
 
 
-def test_hooked_models_run_op_by_op(device, packed_factory):
-    """A forward hook runs on the host at every call; a graph would replay what it did at the
-    capture. The bench's trace routing hands out each call's picks from a host-side counter:
-    replayed, every step would route as the captured one. With a hook set, steps run op by op."""
+def test_unmarked_hooks_keep_steps_op_by_op(device, packed_factory):
+    """A forward hook runs on the host at every call; a graph would replay only the kernels it
+    launched at the capture. Unless a hook is marked ``graph_safe``, steps run op by op."""
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    model, mgr = _load(packed, device)
+    calls = []
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(lambda mod, args: calls.append(1))
+    try:
+        out = model.generate(ids, **GEN)
+    finally:
+        handle.remove()
+    assert len(calls) == NEW  # the prefill and every decode step ran it
+    assert mgr.stats().step_graphs["eager"] == {"hooks": NEW - 1} and mgr.stats().step_graphs["steps"] == 0
+    ref = _load(packed, device, steps=False)[0].generate(ids, **GEN)
+    assert torch.equal(ref.sequences, out.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ref.logits, out.logits))
+
+    marked = step_graph.graph_safe(lambda mod, args: calls.append(1))
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(marked)
+    try:
+        model.generate(ids, **GEN)  # marked: the steps replay (the hook runs at the capture only on a GPU)
+    finally:
+        handle.remove()
+    assert mgr.stats().step_graphs["steps"] == NEW - 1
+    with pytest.raises(TypeError, match="pass a function or a functools.partial"):
+        step_graph.graph_safe(mgr.stats)  # a bound method
+
+
+def _load_hot(packed, device, graph):
+    """Every expert hot (all layers static), step graphs installed with ``graph`` on the CPU."""
+    model = tiers.load(packed, {"tiers": {"gpu": {"fraction": 1.0, "step_graphs": True}}}, device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.batched_decode = True
+    if device.type == "cpu":
+        step_graph.install(model, mgr, graph=graph)
+    return model, mgr
+
+
+def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_factory):
+    """The bench's trace routing (graph-safe hooks, counters on the device) runs inside step
+    graphs, and every replayed step is routed by its own trace rows: logits equal the same steps
+    op by op bit for bit. On the CPU the graph is ``ReplayGraph``, which replays only the recorded
+    tensor ops, as a CUDA graph does (a host-side counter would route every replayed step as the
+    captured one; all layers static here: direct decode's CPU stand-in plans on the host). Taking
+    the hooks off captures anew: the graph held their kernels."""
+    from replay_graph import ReplayGraph
     from tools.routing import TraceRouting
 
     packed = packed_factory("qwen3_moe", ("bf16",))
     ids = _prompt(device)
-    outs = []
+    got = []
+    for graphs in (True, False):
+        model, mgr = _load_hot(packed, device, ReplayGraph)
+        mgr.steps.graphs.enabled = graphs
+        with TraceRouting(model, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=64) as r:
+            got.append(model.generate(ids, **GEN))
+            assert r.positions == {layer: ids.shape[1] + NEW - 1 for layer in r.layers}
+        assert mgr.stats().step_graphs["steps"] == NEW - 1 and mgr.stats().step_graphs["captured"] == int(graphs)
+        if graphs:
+            routed, routed_mgr = model, mgr
+    out, ref = got
+    assert torch.equal(out.sequences, ref.sequences)
+    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
+        assert torch.equal(a, b), f"decode step {step}"
+
+    routed_mgr.reset_stats()
+    again = routed.generate(ids, **GEN)  # no hooks now: routed by the model's own routers
+    assert routed_mgr.stats().step_graphs["captured"] == 1 and routed_mgr.stats().step_graphs["steps"] == NEW - 1
+    plain, pmgr = _load_hot(packed, device, ReplayGraph)
+    pmgr.steps.graphs.enabled = False
+    want = plain.generate(ids, **GEN)
+    assert all(torch.equal(a, b) for a, b in zip(again.logits, want.logits))
+    assert not torch.equal(again.logits[-1], out.logits[-1])
+
+
+def test_trace_routing_with_direct_layers_counts_what_op_by_op_counts(device, packed_factory):
+    """With layers on direct decode too: against the same generate op by op on generate's own
+    cache, the rebalancer counted exactly the same lookups per expert (a step routed as another
+    would count other experts), and tokens and logits agree within the static cache's bound. On
+    the CPU, ``HostGraph`` calls the hooks at each replay: only a GPU run checks the device counters here."""
+    from tools.routing import TraceRouting
+
+    packed = packed_factory("qwen3_moe", ("bf16",))
+    ids = _prompt(device)
+    got = []
     for steps in (False, True):
-        model, mgr = _load(packed, device, steps=steps)
+        model, mgr = _load(packed, device, steps=steps, rebalance={"every_tokens": 1000})
         with TraceRouting(model, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=64):
-            outs.append(model.generate(ids, **GEN))
-    assert mgr.stats().step_graphs["eager"] == {"hooks": NEW - 1} and mgr.stats().step_graphs["steps"] == 0
-    assert torch.equal(outs[0].sequences, outs[1].sequences)
-    assert all(torch.equal(a, b) for a, b in zip(outs[0].logits, outs[1].logits))
-    model.generate(ids, **GEN)  # the hooks are gone: steps replay again
-    assert mgr.stats().step_graphs["steps"] == NEW - 1
+            out = model.generate(ids, **GEN)
+        got.append((out, mgr.rebalancer.window.frequency().copy()))
+    (ref, ref_freq), (out, freq) = got
+    s = mgr.stats().step_graphs
+    assert s["steps"] == NEW - 1 and s["eager"] == {} and s["captured"] == 1, s
+    assert (freq == ref_freq).all() and freq.sum() > 0
+    assert_close_to(ref, out)
 
 
 def test_the_stats_table_says_what_step_graphs_did(device, packed_factory):

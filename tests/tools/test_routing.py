@@ -192,6 +192,32 @@ def test_pre_hooks_registered_earlier_see_the_trace_too(model):
     assert torch.equal(got[0], r.trace[:4, 0])
 
 
+def _three_calls_under_a_graph(r, m, hidden, idx, w, graph) -> list[torch.Tensor]:
+    """The hook's rows for three calls: the first captured into ``graph``, the others replays."""
+    graph.capture(lambda h, i, ww: r._pre_hook(0, m, (h, i, ww), {})[0][1], (hidden, idx, w))
+    return [graph.replay().clone() for _ in range(3)]
+
+
+def test_a_captured_hook_routes_each_replay_by_the_next_rows(model):
+    """What a CUDA graph keeps of a hook is its kernels: the counter must be device state that
+    those kernels move on, or every replayed step routes as the captured one. Checked on the CPU
+    with a graph that replays only the recorded tensor ops (tests/replay_graph.py)."""
+    from replay_graph import ReplayGraph
+    from tiers.step_graph import GRAPH_SAFE
+
+    _, m = next(iter(find_experts_modules(model).values()))
+    k = model.config.num_experts_per_tok
+    hidden = torch.randn(5, model.config.hidden_size).bfloat16()
+    idx, w = torch.zeros(5, k, dtype=torch.long), torch.ones(5, k)
+    with TraceRouting(model, seed=12, tokens=8) as r:
+        assert all(getattr(h, GRAPH_SAFE, False) for h in m._forward_pre_hooks.values())
+        calls = _three_calls_under_a_graph(r, m, hidden, idx, w, ReplayGraph())
+        assert r.positions[r.layers[0]] == (3 * 5) % 8
+    rows = r.trace[:, 0]
+    for got, want in zip(calls, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
+        assert torch.equal(got, want)
+
+
 # -- accelerate's dispatch_model replaces forward with its wrapper; pre-hooks still run ----------
 
 def _check_dispatched(model, device):
@@ -247,6 +273,25 @@ def test_hook_never_syncs_cuda():
     rows = r.trace[:, 0]
     for (h, got, weights), want in zip(calls, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
         assert h is hidden and weights is w and got.device == idx.device
+        assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_a_captured_hook_routes_each_replay_by_the_next_rows_cuda():
+    from tiers.graphs import CudaGraph
+
+    model = build("qwen3_moe", "cuda")
+    _, m = next(iter(find_experts_modules(model).values()))
+    k = model.config.num_experts_per_tok
+    hidden = torch.randn(5, model.config.hidden_size, device="cuda").bfloat16()
+    idx, w = torch.zeros(5, k, dtype=torch.long, device="cuda"), torch.ones(5, k, device="cuda")
+    with TraceRouting(model, seed=12, tokens=8) as r:
+        graph = CudaGraph(torch.cuda.graph_pool_handle(), torch.cuda.Stream())
+        calls = _three_calls_under_a_graph(r, m, hidden, idx, w, graph)
+        assert r.positions[r.layers[0]] == (3 * 5) % 8
+    rows = r.trace[:, 0]
+    for got, want in zip(calls, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
         assert torch.equal(got.cpu(), want)
 
 
