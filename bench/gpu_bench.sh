@@ -11,7 +11,7 @@ set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
 source bench/gpu_env.sh
-arms=all_gpu,all_gpu@skewed,lazy,accelerate,tiers_100_bf16,tiers_0_int8,tiers_25_int8,tiers_50_int8,tiers_25_bf16,tiers_50_bf16,tiers_25_int8@skewed,tiers_50_int8@skewed,tiers_25_int8@skewed_norebal
+arms=all_gpu,all_gpu@skewed,lazy,accelerate,tiers_100_bf16,tiers_0_int8,tiers_25_int8,tiers_50_int8,tiers_25_bf16,tiers_50_bf16,tiers_100_bf16@skewed,tiers_25_int8@skewed,tiers_50_int8@skewed,tiers_25_int8@skewed_norebal
 hf=/dev/shm/tiers-hf  # the save_pretrained checkpoint before packing: tmpfs, the disk holds the pack
 rc=0
 for model in ${1:-all}; do
