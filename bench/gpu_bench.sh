@@ -5,8 +5,8 @@
 # its last arm, before its copy sweep and cold reads: python3 tools/bench.py --report <out>/bench-mixtral.partial.json
 # writes the tables of such a run)
 # Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
-# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run57.md, -mixtral-run43.md: 455 s and
-# 495 s of the call).
+# with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run60.md, -mixtral-run48.md: 391 s and
+# 507 s of the call).
 set -uo pipefail
 out=${OUT:-gpu-out}/results
 mkdir -p "$out"
