@@ -192,9 +192,24 @@ def test_pre_hooks_registered_earlier_see_the_trace_too(model):
     assert torch.equal(got[0], r.trace[:4, 0])
 
 
-def _three_calls_under_a_graph(r, m, hidden, idx, w, graph) -> list[torch.Tensor]:
+def _first_layer_call(model, device="cpu"):
+    """The first experts module and a 5-token call's (hidden, top_k_index, top_k_weights)."""
+    _, m = next(iter(find_experts_modules(model).values()))
+    k = model.config.num_experts_per_tok
+    hidden = torch.randn(5, model.config.hidden_size, device=device).bfloat16()
+    return m, (hidden, torch.zeros(5, k, dtype=torch.long, device=device), torch.ones(5, k, device=device))
+
+
+def _assert_three_calls_of_five(r, rows_got: list[torch.Tensor]) -> None:
+    """Three 5-token calls on an 8-row trace: rows 0-4, then 5-7 and 0-1 (wrapped), then 2-6."""
+    rows = r.trace[:, 0]
+    for got, want in zip(rows_got, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
+        assert torch.equal(got.cpu(), want)
+
+
+def _three_calls_under_a_graph(r, m, call, graph) -> list[torch.Tensor]:
     """The hook's rows for three calls: the first captured into ``graph``, the others replays."""
-    graph.capture(lambda h, i, ww: r._pre_hook(0, m, (h, i, ww), {})[0][1], (hidden, idx, w))
+    graph.capture(lambda h, i, w: r._pre_hook(0, m, (h, i, w), {})[0][1], call)
     return [graph.replay().clone() for _ in range(3)]
 
 
@@ -205,17 +220,12 @@ def test_a_captured_hook_routes_each_replay_by_the_next_rows(model):
     from replay_graph import ReplayGraph
     from tiers.step_graph import GRAPH_SAFE
 
-    _, m = next(iter(find_experts_modules(model).values()))
-    k = model.config.num_experts_per_tok
-    hidden = torch.randn(5, model.config.hidden_size).bfloat16()
-    idx, w = torch.zeros(5, k, dtype=torch.long), torch.ones(5, k)
+    m, call = _first_layer_call(model)
     with TraceRouting(model, seed=12, tokens=8) as r:
         assert all(getattr(h, GRAPH_SAFE, False) for h in m._forward_pre_hooks.values())
-        calls = _three_calls_under_a_graph(r, m, hidden, idx, w, ReplayGraph())
+        calls = _three_calls_under_a_graph(r, m, call, ReplayGraph())
         assert r.positions[r.layers[0]] == (3 * 5) % 8
-    rows = r.trace[:, 0]
-    for got, want in zip(calls, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
-        assert torch.equal(got, want)
+    _assert_three_calls_of_five(r, calls)
 
 
 # -- accelerate's dispatch_model replaces forward with its wrapper; pre-hooks still run ----------
@@ -259,21 +269,17 @@ def test_accelerate_dispatch_with_experts_on_cpu_cuda():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_hook_never_syncs_cuda():
     model = build("qwen3_moe", "cuda")
-    _, m = next(iter(find_experts_modules(model).values()))
-    k = model.config.num_experts_per_tok
-    hidden = torch.randn(5, model.config.hidden_size, device="cuda").bfloat16()
-    idx, w = torch.zeros(5, k, dtype=torch.long, device="cuda"), torch.ones(5, k, device="cuda")
+    m, call = _first_layer_call(model, "cuda")
     with TraceRouting(model, tokens=8) as r:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any host<->device sync raises
         try:
-            calls = [r._pre_hook(0, m, (hidden, idx, w), {})[0] for _ in range(3)]  # the second call wraps around
+            calls = [r._pre_hook(0, m, call, {})[0] for _ in range(3)]  # the second call wraps around
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    rows = r.trace[:, 0]
-    for (h, got, weights), want in zip(calls, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
-        assert h is hidden and weights is w and got.device == idx.device
-        assert torch.equal(got.cpu(), want)
+    for h, got, weights in calls:
+        assert h is call[0] and weights is call[2] and got.device == call[1].device
+    _assert_three_calls_of_five(r, [got for _, got, _ in calls])
 
 
 @pytest.mark.cuda
@@ -282,17 +288,12 @@ def test_a_captured_hook_routes_each_replay_by_the_next_rows_cuda():
     from tiers.graphs import CudaGraph
 
     model = build("qwen3_moe", "cuda")
-    _, m = next(iter(find_experts_modules(model).values()))
-    k = model.config.num_experts_per_tok
-    hidden = torch.randn(5, model.config.hidden_size, device="cuda").bfloat16()
-    idx, w = torch.zeros(5, k, dtype=torch.long, device="cuda"), torch.ones(5, k, device="cuda")
+    m, call = _first_layer_call(model, "cuda")
     with TraceRouting(model, seed=12, tokens=8) as r:
         graph = CudaGraph(torch.cuda.graph_pool_handle(), torch.cuda.Stream())
-        calls = _three_calls_under_a_graph(r, m, hidden, idx, w, graph)
+        calls = _three_calls_under_a_graph(r, m, call, graph)
         assert r.positions[r.layers[0]] == (3 * 5) % 8
-    rows = r.trace[:, 0]
-    for got, want in zip(calls, [rows[0:5], torch.cat([rows[5:], rows[:2]]), rows[2:7]], strict=True):
-        assert torch.equal(got.cpu(), want)
+    _assert_three_calls_of_five(r, calls)
 
 
 # -- Tiers' own experts implementation -----------------------------------------------------------
