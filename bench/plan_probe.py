@@ -2,9 +2,11 @@
 call, as a step graph runs it: many plans captured back to back in one CUDA graph and replayed.
 
 With ``--old FILE`` (an earlier ``quant/direct_kernel.py``) the same calls also go through that
-file's kernel, and every call's slots, destinations, counts and cache state are compared.
+file's kernel, and every call's slots, destinations, counts and cache state are compared
+(``bench/results/plan_probe.json``: the kernel before its loads left the loop, ``git show
+d0009dd~1:quant/direct_kernel.py``).
 
-    python bench/plan_probe.py [--old bench/.old/direct_kernel.py] [--out plan_probe.json]
+    python bench/plan_probe.py [--old FILE] [--out plan_probe.json]
 """
 from __future__ import annotations
 
