@@ -36,8 +36,10 @@ dynamic cache of full-attention layers only, keys and values of one head size (n
 MLA); the attention mask, if any, is all ones (read once per decode stage: one sync); and every
 MoE layer runs static or direct this step; and every forward hook set on the model's modules (or
 on all modules) is marked ``graph_safe`` (a graph replays what a hook did at the capture: only
-its kernels). Otherwise the step runs op by op, counted by reason in ``report()``. The marked
-hooks set at a step are part of its graph's key: a step with other hooks captures anew.
+its kernels). Otherwise the step runs op by op, counted by reason in ``report()``. A graph
+holds the kernels of the marked hooks set when it was captured: when the hooks a step runs are
+not those, the graphs are dropped (with their pool, and what they kept of the old hooks) and
+the step captures anew.
 
 Invariants: the static cache's first ``static_len`` positions are the sequence's (those of
 generate's cache, and those the graph wrote after them); generate's cache is complete whenever
@@ -79,8 +81,8 @@ class StepGraphs:
         self.top_k = getattr(text, "num_experts_per_tok", None)
         self.enabled = enabled and self.top_k is not None
         self._graph = graph
-        self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)  # one per cache size (see ``_fit``)
-        self._retired = Counter()  # the counts of the graphs of sizes left behind
+        self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)  # one per cache size and hooks (``_renew``)
+        self._retired = Counter()  # the counts of the graphs left behind
         self.cache: Any = None  # the static cache (transformers' StaticCache), kept across generates
         self.kv: list[torch.Tensor] = []  # its keys and values, layer by layer: what a step graph binds of it
         self.capacity = 0
@@ -89,6 +91,7 @@ class StepGraphs:
         self.mask_ok: bool | None = None  # the stage's attention mask was all ones (None: not read yet)
         self.output_type: type | None = None  # the model's output class, from its last own forward
         self.hooks: tuple = ()  # the graph-safe hooks the current step runs (``_safe_hooks``)
+        self.graph_hooks: tuple = ()  # the hooks ``self.graphs`` were captured with
         self.steps = 0
         self.eager: Counter = Counter()
 
@@ -162,9 +165,10 @@ class StepGraphs:
             position = torch.full((1,), pos, dtype=torch.int64, device=kwargs["input_ids"].device)
         position = position.reshape(1)
         bound = self.kv + self.mgr.step_bound()
-        # the hooks themselves in the key: a graph holds their kernels, and the key keeps what they
-        # read alive for as long as the graph may replay
-        logits = self.graphs.run(("step", self.capacity, self.hooks), bound, self._replayed, (kwargs["input_ids"], position))
+        if self.hooks != self.graph_hooks:  # a graph holds its hooks' kernels: other hooks, other graphs
+            self._renew()
+            self.graph_hooks = self.hooks
+        logits = self.graphs.run(("step", self.capacity), bound, self._replayed, (kwargs["input_ids"], position))
         self.static_len = pos + 1
         self.steps += 1
         return self.output_type(logits=logits, **{self.cache_kw: dyn})
@@ -210,12 +214,15 @@ class StepGraphs:
                     new.keys[:, :, : self.static_len].copy_(old.keys[:, :, : self.static_len])
                     new.values[:, :, : self.static_len].copy_(old.values[:, :, : self.static_len])
         if self.cache is not None:
-            # a new pool for the new size: the old graph goes with its own (a CUDA graph pool whose
-            # graphs are all gone cannot take a capture)
-            self._retired.update(self.graphs.counts())
-            self.graphs = DecodeGraphs(self.mgr.device, self.enabled, graph=self._graph)
+            self._renew()
         self.cache, self.capacity = cache, size
         self.kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    def _renew(self) -> None:
+        """Drop the graphs (a new cache size, other hooks): new ones get a new pool, the old
+        graphs go with their own (a CUDA graph pool whose graphs are all gone cannot take a capture)."""
+        self._retired.update(self.graphs.counts())
+        self.graphs = DecodeGraphs(self.mgr.device, self.graphs.enabled, graph=self._graph)
 
     def _copy_in(self, dyn: Any, start: int, end: int) -> None:
         """Positions [start, end) of generate's cache into the static one."""

@@ -15,8 +15,10 @@ then differ more (a tiny Mixtral's layer 2 picked expert 7 or 3 at gate weights 
 """
 from __future__ import annotations
 
+import gc
 import inspect
 import statistics
+import weakref
 
 import pytest
 import torch
@@ -306,7 +308,7 @@ def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_fac
     op by op bit for bit. On the CPU the graph is ``ReplayGraph``, which replays only the recorded
     tensor ops, as a CUDA graph does (a host-side counter would route every replayed step as the
     captured one; all layers static here: direct decode's CPU stand-in plans on the host). Taking
-    the hooks off captures anew: the graph held their kernels."""
+    the hooks off drops the graph, which held their kernels, and captures anew."""
     from replay_graph import ReplayGraph
     from tools.routing import TraceRouting
 
@@ -321,7 +323,8 @@ def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_fac
             assert r.positions == {layer: ids.shape[1] + NEW - 1 for layer in r.layers}
         assert mgr.stats().step_graphs["steps"] == NEW - 1 and mgr.stats().step_graphs["captured"] == int(graphs)
         if graphs:
-            routed, routed_mgr = model, mgr
+            routed, routed_mgr, routing = model, mgr, weakref.ref(r)
+        del r
     out, ref = got
     assert torch.equal(out.sequences, ref.sequences)
     for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
@@ -335,6 +338,9 @@ def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_fac
     want = plain.generate(ids, **GEN)
     assert all(torch.equal(a, b) for a, b in zip(again.logits, want.logits))
     assert not torch.equal(again.logits[-1], out.logits[-1])
+    gc.collect()
+    assert routing() is None, "the dropped graphs let the old hooks (and what they read) go"
+    assert len(routed_mgr.steps.graphs._entries) == 1
 
 
 def test_trace_routing_with_direct_layers_counts_what_op_by_op_counts(device, packed_factory):
