@@ -120,8 +120,9 @@ def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts
     """One program: the picks in order, the cache's lanes as a vector (``quant.direct.plan``).
 
     Every global read happens before the loop (the picks, their resident slots, the cache) and
-    every write after it: the loop is register work only. A load inside it would put its memory
-    latency on the critical path once per pick (about 17 us a call for Qwen3's 8 picks)."""
+    every write after it: the loop is register work only. A load inside it puts its memory latency
+    on the critical path once per pick: on the H200, 8 picks over 16 lanes took 11.6 us a call
+    that way and take 7.9 now (``bench/plan_probe.py``, ``bench/results/plan_probe.json``)."""
     lane = tl.arange(0, RP)
     live = lane < R
     own = tl.load(owner + lane, mask=live, other=-1)
