@@ -642,30 +642,34 @@ def bytes_bound_ms(row: dict) -> float:
 
 def add_bounds(result: dict) -> dict:
     """Per Tiers arm: the decode bound (all-GPU ms/token of the same routing + moved bytes / 55 GB/s),
-    the overhead over it, and the prefill bound max(all-GPU prefill, prefill bytes / 55 GB/s)."""
+    the overhead over it, and the prefill bound max(all-GPU prefill, prefill bytes / 55 GB/s).
+    Figures against the arm's own pairs (per repetition, interleaved, paired prefill) need no
+    all-GPU arm of its routing in the run and are derived without one; the others are left out."""
     for name, row in result["arms"].items():
+        if not name.startswith("tiers") or "error" in row:
+            continue
         baseline_ = baseline(result, name)
         base = baseline_.get("decode_ms_per_token")
-        if name.startswith("tiers") and base is not None and "error" not in row:
-            bytes_ms = bytes_bound_ms(row)
+        bytes_ms = bytes_bound_ms(row)
+        if base is not None:
             row["bound_ms_per_token"] = base + bytes_ms
             row["overhead_ms_per_token"] = row["decode_ms_per_token"] - base
             row["overhead_over_bytes_bound"] = (row["overhead_ms_per_token"] / bytes_ms) if bytes_ms else None
-            pair = row.get("paired_all_gpu_ms_per_token")
-            if pair is not None:  # against the all-GPU measurement interleaved with the arm's
-                row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
-                row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / bytes_ms) if bytes_ms else None
-            interleaved_bounds(row)
-            reps = rep_overhead_ms(row)
-            if reps is not None:  # each repetition's arm less its pair, timed one after the other
-                row["rep_overhead_ms_per_token"] = reps
-                row["rep_overhead_over_bytes_bound"] = reps / bytes_ms if bytes_ms else None
-            if baseline_.get("prefill_s") is not None:
-                row["prefill_bound_s"] = max(baseline_["prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
-                row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
-            if row.get("paired_prefill_s") is not None:  # the same bound with the interleaved all-GPU prefill
-                row["paired_prefill_bound_s"] = max(row["paired_prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
-                row["prefill_over_paired_bound"] = row["prefill_s"] / row["paired_prefill_bound_s"]
+        pair = row.get("paired_all_gpu_ms_per_token")
+        if pair is not None:  # against the all-GPU measurement interleaved with the arm's
+            row["over_paired_all_gpu"] = row["decode_ms_per_token"] / pair
+            row["paired_overhead_over_bytes_bound"] = ((row["decode_ms_per_token"] - pair) / bytes_ms) if bytes_ms else None
+        interleaved_bounds(row)
+        reps = rep_overhead_ms(row)
+        if reps is not None:  # each repetition's arm less its pair, timed one after the other
+            row["rep_overhead_ms_per_token"] = reps
+            row["rep_overhead_over_bytes_bound"] = reps / bytes_ms if bytes_ms else None
+        if baseline_.get("prefill_s") is not None:
+            row["prefill_bound_s"] = max(baseline_["prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
+            row["prefill_over_bound"] = row["prefill_s"] / row["prefill_bound_s"]
+        if row.get("paired_prefill_s") is not None:  # the same bound with the interleaved all-GPU prefill
+            row["paired_prefill_bound_s"] = max(row["paired_prefill_s"], row["prefill_bytes_moved"] / H2D_BYTES_PER_S)
+            row["prefill_over_paired_bound"] = row["prefill_s"] / row["paired_prefill_bound_s"]
     offload = offload_overheads(result)
     if offload:
         result["offload"] = offload
@@ -775,7 +779,7 @@ def markdown(r: dict) -> str:
             return "-" if x is None else f"{x:.2f}"
         for name, il in stepped:
             lines.append(f"| {name} | {il['tokens']} | {il['arm_ms_per_token']:.2f} | {il['pair_ms_per_token']:.2f} "
-                         f"| {sum(il['bytes_moved_per_token'].values()) / mib:.1f} | {il.get('bound_ms', 0):.2f} "
+                         f"| {sum(il['bytes_moved_per_token'].values()) / mib:.1f} | {over(il.get('bound_ms'))} "
                          f"| {il['overhead_ms_per_token']:.2f} ({over(il.get('overhead_over_bytes_bound'))}) "
                          f"| {il['block_overhead_ms_per_token']:.2f} ({over(il.get('block_overhead_over_bytes_bound'))}) |")
         phases = [(name, phase_usage(il["pair_usage"], il["block"])) for name, il in stepped if il.get("pair_usage")]

@@ -113,6 +113,25 @@ def test_rep_overhead_is_the_median_of_differences_within_repetitions():
     assert t["rep_overhead_ms_per_token"] == pytest.approx(1.0) and t["rep_overhead_over_bytes_bound"] == pytest.approx(0.5)
 
 
+def test_figures_against_the_pairs_need_no_all_gpu_arm_of_the_routing():
+    """A skewed arm in a run that lists no all_gpu@skewed: what is held against the run's all-GPU
+    arm is left out, what is held against the arm's own pairs (and its bytes) is derived (the
+    Markdown showed 0.00 for the interleaved bytes bound it had not derived)."""
+    moved = 55e9 * 2e-3  # bytes a 2 ms bound moves
+    il = {"tokens": 16, "block": 8, "arm_ms_per_token": 13.0, "pair_ms_per_token": 10.0, "overhead_ms_per_token": 3.0,
+          "block_overhead_ms_per_token": 3.0, "bytes_moved_per_token": {"cpu": moved}}
+    row = {"decode_ms_per_token": 13.0, "paired_all_gpu_ms_per_token": 10.0, "bytes_moved_per_token": {"cpu": moved},
+           "decode_ms_per_rep": [13.0, 13.0], "paired_decode_ms_per_rep": [10.0, 11.0], "prefill_s": 0.05,
+           "paired_prefill_s": 0.04, "prefill_bytes_moved": 0.0, "interleaved": il}
+    r = bench.add_bounds({"arms": {"all_gpu": {"decode_ms_per_token": 9.0, "prefill_s": 0.03}, "tiers_25_int8@skewed": row}})
+    t = r["arms"]["tiers_25_int8@skewed"]
+    assert "bound_ms_per_token" not in t and "overhead_ms_per_token" not in t and "prefill_over_bound" not in t
+    assert t["paired_overhead_over_bytes_bound"] == pytest.approx(1.5) and t["over_paired_all_gpu"] == pytest.approx(1.3)
+    assert t["rep_overhead_over_bytes_bound"] == pytest.approx(1.25)
+    assert t["interleaved"]["bound_ms"] == pytest.approx(2.0) and t["interleaved"]["overhead_over_bytes_bound"] == pytest.approx(1.5)
+    assert t["prefill_over_paired_bound"] == pytest.approx(1.25)
+
+
 def test_baseline_is_the_faster_all_gpu_measurement_of_the_same_routing():
     arms = {"all_gpu": {"decode_ms_per_token": 12.0, "prefill_s": 0.03}, "all_gpu/end": {"decode_ms_per_token": 10.0, "prefill_s": 0.04},
             "all_gpu@skewed": {"decode_ms_per_token": 9.0, "prefill_s": 0.05}, "all_gpu@skewed/end": {"error": "boom"}}
