@@ -47,6 +47,19 @@ def _inputs(lanes: int, picks: int, rows: int, width: int, seed: int):
     return out
 
 
+def _replay_us(graph, reps: int) -> list[float]:
+    """Each of ``reps`` replays of ``graph`` timed by events, in us per call of the CALLS it holds."""
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / CALLS)
+    return times
+
+
 def measure(kernel, lanes: int, picks: int, rows: int, width: int, reps: int) -> dict:
     calls = _inputs(lanes, picks, rows, width, seed=lanes)
     cache = SlotCache.new(list(range(1000, 1000 + lanes)), rows, width, "cuda")
@@ -77,14 +90,7 @@ def measure(kernel, lanes: int, picks: int, rows: int, width: int, reps: int) ->
     torch.cuda.synchronize()
     state = {"ids": ids.cpu(), "dst": dsts.cpu(), "counts": counts.cpu(), "usage": usage.cpu(),
              "owner": cache.owner.cpu(), "stamp": cache.stamp.cpu(), "clock": cache.clock.cpu()}
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)  # us per plan (with its small copy of dst)
+    times = _replay_us(graph, reps)  # per plan, with its small copy of dst
     # the copies alone, for the part of each call that is not the plan
     graph2 = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
@@ -93,14 +99,7 @@ def measure(kernel, lanes: int, picks: int, rows: int, width: int, reps: int) ->
             dsts[i].copy_(cache.dst[:picks])
         graph2.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
-    copies = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph2.replay()
-        b.record()
-        b.synchronize()
-        copies.append(a.elapsed_time(b) * 1e3 / CALLS)
+    copies = _replay_us(graph2, reps)
     return {"us_per_call": statistics.median(times), "us_per_call_min": min(times),
             "copy_us_per_call": statistics.median(copies), "state": state}
 
