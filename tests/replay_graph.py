@@ -43,7 +43,6 @@ class ReplayGraph:
         self.ops: list[tuple[Any, tuple, dict, Any]] = []
         self.output: Any = None
         self._fresh = False  # the capture's results stand for the first replay
-        self.replays = 0
 
     def capture(self, step: Callable[..., Any], inputs: tuple[torch.Tensor, ...]) -> None:
         with torch.no_grad(), _Recorder(self.ops):
@@ -51,7 +50,6 @@ class ReplayGraph:
         self._fresh = True
 
     def replay(self) -> Any:
-        self.replays += 1
         if self._fresh:
             self._fresh = False
             return self.output

@@ -52,6 +52,16 @@ def _load(packed, device, steps=True, graph=HostGraph, **extra):
     return model, mgr
 
 
+def _load_hot(packed, device, steps=True, graph=HostGraph):
+    """Every expert hot (all layers static); with ``steps``, step graphs (installed with ``graph`` on the CPU)."""
+    model = tiers.load(packed, {"tiers": {"gpu": {"fraction": 1.0, "step_graphs": steps}}}, device=device, progress=False)
+    mgr = manager_of(model)
+    mgr.batched_decode = True
+    if steps and device.type == "cpu":
+        step_graph.install(model, mgr, graph=graph)
+    return model, mgr
+
+
 def _prompt(device, length=10):
     return torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(7)).to(device)
 
@@ -222,11 +232,7 @@ def test_all_hot_layers_run_inside_the_graph_and_count_once(device, packed_facto
     ids = _prompt(device)
     got = []
     for steps in (False, True):
-        model = tiers.load(packed, {"tiers": {"gpu": {"fraction": 1.0, "step_graphs": steps}}}, device=device, progress=False)
-        mgr = manager_of(model)
-        mgr.batched_decode = True
-        if steps and device.type == "cpu":
-            step_graph.install(model, mgr, graph=HostGraph)
+        model, mgr = _load_hot(packed, device, steps=steps)
         assert len(mgr.static_maps) == len(mgr.manifest.layers)
         got.append((model.generate(ids, **GEN), mgr.stats()))
     (ref, a), (out, b) = got
@@ -292,16 +298,6 @@ def test_unmarked_hooks_keep_steps_op_by_op(device, packed_factory):
         step_graph.graph_safe(mgr.stats)  # a bound method
 
 
-def _load_hot(packed, device, graph):
-    """Every expert hot (all layers static), step graphs installed with ``graph`` on the CPU."""
-    model = tiers.load(packed, {"tiers": {"gpu": {"fraction": 1.0, "step_graphs": True}}}, device=device, progress=False)
-    mgr = manager_of(model)
-    mgr.batched_decode = True
-    if device.type == "cpu":
-        step_graph.install(model, mgr, graph=graph)
-    return model, mgr
-
-
 def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_factory):
     """The bench's trace routing (graph-safe hooks, counters on the device) runs inside step
     graphs, and every replayed step is routed by its own trace rows: logits equal the same steps
@@ -316,7 +312,7 @@ def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_fac
     ids = _prompt(device)
     got = []
     for graphs in (True, False):
-        model, mgr = _load_hot(packed, device, ReplayGraph)
+        model, mgr = _load_hot(packed, device, graph=ReplayGraph)
         mgr.steps.graphs.enabled = graphs
         with TraceRouting(model, zipf_s=1.2, reuse_p=0.5, seed=0, tokens=64) as r:
             got.append(model.generate(ids, **GEN))
@@ -333,7 +329,7 @@ def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_fac
     routed_mgr.reset_stats()
     again = routed.generate(ids, **GEN)  # no hooks now: routed by the model's own routers
     assert routed_mgr.stats().step_graphs["captured"] == 1 and routed_mgr.stats().step_graphs["steps"] == NEW - 1
-    plain, pmgr = _load_hot(packed, device, ReplayGraph)
+    plain, pmgr = _load_hot(packed, device, graph=ReplayGraph)
     pmgr.steps.graphs.enabled = False
     want = plain.generate(ids, **GEN)
     assert all(torch.equal(a, b) for a, b in zip(again.logits, want.logits))
