@@ -47,10 +47,10 @@ from collections import Counter  # noqa: E402
 
 import torch  # noqa: E402
 
-from loader.layout import ExpertKey  # noqa: E402
+from tiers.loader.layout import ExpertKey  # noqa: E402
 from tiers.cache import ForecastSlots, LruSlots, MarkovSlots, belady_hits, replay  # noqa: E402
 from tiers.trace import TraceModel, lookups  # noqa: E402
-from tools.measure import write_result  # noqa: E402
+from tiers.tools.measure import write_result  # noqa: E402
 
 COUNTS = {"mixtral": (8, 8, 2), "qwen3_moe": (12, 128, 8)}  # layers, experts, top-k
 

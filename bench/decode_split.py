@@ -73,7 +73,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.measure import Steps  # noqa: E402
+from tiers.tools.measure import Steps  # noqa: E402
 
 
 class Clock:
@@ -195,10 +195,10 @@ def main() -> int:
     args = ap.parse_args()
 
     import tiers
-    from tools.bench import rebalance_warmup_generates
+    from tiers.tools.bench import rebalance_warmup_generates
     from tiers.engine import TierManager
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of, write_result
+    from tiers.tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of, write_result
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-split-")
@@ -214,7 +214,7 @@ def main() -> int:
                        "intra_op_threads": torch.get_num_threads(), "parallel_info": torch.__config__.parallel_info().splitlines()}}
 
     def measure(name, m, variants=frozenset()) -> None:
-        from tools.routing import TraceRouting
+        from tiers.tools.routing import TraceRouting
 
         if "@skewed" in name:  # as tools/bench.py routes its skewed arms
             with TraceRouting(m, tokens=4096):
@@ -234,7 +234,7 @@ def main() -> int:
         splits = []
         steps = Steps()
         if not name.startswith("all_gpu"):
-            from quant import direct
+            from tiers.quant import direct
 
             mgr = manager_of(m)
             for attr in ("direct_ready", "fetch_direct"):

@@ -30,7 +30,7 @@ STACKS = {"qwen3_moe": (1, 8, 15), "mixtral": (1, 2)}
 
 
 def tensors(model: str) -> dict[str, tuple[int, int]]:
-    from tools.measure import SHAPES
+    from tiers.tools.measure import SHAPES
 
     s = SHAPES[model]
     h = s["hidden_size"]
@@ -70,10 +70,10 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("dequant_rate needs a CUDA device")
 
-    import quant
-    from quant import QuantizedTensor
-    from quant import int8 as int8_mod
-    from tools.measure import event_seconds, write_result
+    from tiers import quant
+    from tiers.quant import QuantizedTensor
+    from tiers.quant import int8 as int8_mod
+    from tiers.tools.measure import event_seconds, write_result
 
     scheme = quant.get_scheme("int8")
     int8_mod.KERNEL_MIN_CODES = 0  # time the kernel at every size (the library leaves small ones to torch.mul)

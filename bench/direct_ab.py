@@ -33,7 +33,7 @@ def main() -> int:
     args = ap.parse_args()
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir
+    from tiers.tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -37,7 +37,7 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, expert_bytes_of, scratch_dir, shape_of, sync, write_result
+    from tiers.tools.measure import build_packed, expert_bytes_of, scratch_dir, shape_of, sync, write_result
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-gc-")

@@ -23,7 +23,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.measure import write_result  # noqa: E402
+from tiers.tools.measure import write_result  # noqa: E402
 
 
 def host_us(fn, calls: int, device: torch.device, rounds: int = 10) -> list[float]:

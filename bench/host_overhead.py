@@ -30,7 +30,7 @@ SHAPE = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128, nu
 
 
 def measure(calls: int, staging: int, cache: str, packed: Path, seed: int = 0) -> dict:
-    from loader.packed import read_manifest
+    from tiers.loader.packed import read_manifest
     from tiers.config import load_config
     from tiers.engine import TierManager
     from tiers.policy import plan_placement
@@ -76,11 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=400, help="tokens (one call per layer each)")
     ap.add_argument("--out", default="bench/results/host_overhead.json")
     args = ap.parse_args(argv)
-    from loader.pack import pack
-    from tools.bench import build
+    from tiers.loader.pack import pack
+    from tiers.tools.bench import build
 
     torch.set_num_threads(1)  # host overhead, not intra-op parallelism of tiny kernels
-    from tools.measure import scratch_dir, write_result
+    from tiers.tools.measure import scratch_dir, write_result
 
     work = scratch_dir("tiers-host-")
     build("qwen3_moe", dict(SHAPE), torch.device("cpu")).save_pretrained(work / "hf")

@@ -73,7 +73,7 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
     import tiers
     from tiers.integration import manager_of
     from tiers.rebalance import Rebalancer
-    from tools.routing import TraceRouting
+    from tiers.tools.routing import TraceRouting
 
     cfg = {"tiers": {"gpu": {"fraction": fraction}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
                      "rebalance": {"every_tokens": every, "window": window} | ({} if significance is None else {"significance": significance})
@@ -113,7 +113,7 @@ def converge(packed, budget: int, fraction: float, buffers: int | None, window: 
 
 
 def main() -> int:
-    from tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
+    from tiers.tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_counts_args(ap, generates=24)

@@ -38,7 +38,7 @@ def layout_summary(table, layers: list[int], num_experts: int, place: int | None
     """Per layer (in ``layers`` order): the hot experts' count and their slots' runs; with
     ``place`` (bytes from one warm place to the next, a transit row), also the runs of the warm
     experts' host places lying back to back, each one copy when a streamed part reads them all."""
-    from loader.layout import ExpertKey
+    from tiers.loader.layout import ExpertKey
     from tiers.integration import _slot_runs
 
     hot, runs, warm_runs = [], [], []
@@ -58,7 +58,7 @@ def prefill_counts(model, ids) -> dict:
     (each is checked for a pinned source once, ``_check_pinned``; on CUDA the index uploads are
     checked too), and ``dequantizations``, the launches of the cpu tier's dequantization (one per
     tensor of each run of slots a stack fills in a row, one per tensor of a lone slot)."""
-    import quant
+    from tiers import quant
     from tiers.integration import manager_of
 
     mgr = manager_of(model)
@@ -86,7 +86,7 @@ def prefill_counts(model, ids) -> dict:
 
 
 def main() -> int:
-    from tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
+    from tiers.tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_counts_args(ap, generates=8)
@@ -100,7 +100,7 @@ def main() -> int:
 
     import tiers
     from tiers.integration import manager_of
-    from tools.routing import TraceRouting
+    from tiers.tools.routing import TraceRouting
 
     device = torch.device(args.device)
     shape, packed, budget = build_counts_model(args, "tiers-layout-")

@@ -23,7 +23,7 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools import measure  # noqa: E402
+from tiers.tools import measure  # noqa: E402
 
 
 def allocator(device) -> dict:

@@ -25,8 +25,8 @@ CHILD = r"""
 import sys, json, time
 sys.path.insert(0, {root!r})
 from transformers import AutoConfig
-from loader.pack import pack
-from loader.skeleton import build_skeleton
+from tiers.loader.pack import pack
+from tiers.loader.skeleton import build_skeleton
 mode, src, dst = sys.argv[1], sys.argv[2], sys.argv[3]
 t0 = time.perf_counter()
 if mode == "pack":

@@ -19,7 +19,7 @@ import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.measure import event_seconds, write_result  # noqa: E402
+from tiers.tools.measure import event_seconds, write_result  # noqa: E402
 
 
 def device_ms(fn, reps: int = 50) -> float:

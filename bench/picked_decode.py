@@ -23,7 +23,7 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.measure import SHAPES, TINY, build, event_seconds, timed, write_result  # noqa: E402
+from tiers.tools.measure import SHAPES, TINY, build, event_seconds, timed, write_result  # noqa: E402
 
 HBM_GBPS = 4800.0
 
@@ -38,7 +38,7 @@ def main() -> int:
     args = ap.parse_args()
     from transformers.integrations.moe import batched_mm_experts_forward
 
-    from loader.layout import find_experts_modules
+    from tiers.loader.layout import find_experts_modules
     from tiers.integration import _picked, _SlotExperts
 
     dev = torch.device(args.device)

@@ -23,7 +23,7 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from quant.direct import SlotCache  # noqa: E402
+from tiers.quant.direct import SlotCache  # noqa: E402
 
 CALLS = 240  # plans per graph: 20 decode steps of a 12-layer model
 
@@ -110,7 +110,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out")
     args = ap.parse_args()
-    import quant.direct_kernel as new
+    import tiers.quant.direct_kernel as new
 
     kernels = {"new": new} | ({"old": _load(args.old)} if args.old else {})
     result = {"command": "python bench/plan_probe.py " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(),

@@ -116,7 +116,7 @@ def main() -> int:
     churn(int(args.churn_gib * 2**30))
     result["after_churn"] = measure(nbytes, chunks, args.reps)
     print(json.dumps(result, indent=1))
-    from tools.measure import write_result
+    from tiers.tools.measure import write_result
 
     write_result(args.out, result)
     return 0

@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.bench import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
+from tiers.tools.bench import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
 
 # streamed calls, through direct stacks, then staging the next layer ahead (TierManager attributes)
 SETTINGS = {"streamed": (True, False, False), "streamed_direct": (True, True, False), "streamed_ahead": (True, False, True),
@@ -42,7 +42,7 @@ def main() -> int:
     args = ap.parse_args()
     import tiers
     from tiers.integration import manager_of
-    from tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir, warm_config
+    from tiers.tools.measure import build_packed, decode_ms_per_token, prefill_seconds, scratch_dir, warm_config
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

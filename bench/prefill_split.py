@@ -69,8 +69,8 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.bench import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
-from tools.timeline import Marks, hook_layers, marking, split  # noqa: E402
+from tiers.tools.bench import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
+from tiers.tools.timeline import Marks, hook_layers, marking, split  # noqa: E402
 
 
 def kernel_split(model, ids: torch.Tensor, cuda: bool) -> dict:
@@ -170,11 +170,11 @@ def main() -> int:
     import tiers.integration as integration
     from bench.decode_split import Steps
     from bench.hot_layout import layout_summary
-    from quant import int8 as int8_scheme
+    from tiers.quant import int8 as int8_scheme
     from tiers.integration import manager_of
-    from tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
+    from tiers.tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
     from tiers.graphs import DecodeGraphs
-    from tools.routing import TraceRouting
+    from tiers.tools.routing import TraceRouting
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

@@ -135,9 +135,9 @@ def main() -> int:
     args = ap.parse_args()
 
     import tiers
-    from loader.pack import pack
+    from tiers.loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, expert_bytes_of, write_result
+    from tiers.tools.measure import SHAPES, TINY, build, decode_ms_per_token, expert_bytes_of, write_result
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = Path(args.out)
@@ -155,7 +155,7 @@ def main() -> int:
     wrap_engine()
 
     def one(name, m):
-        from tools.routing import TraceRouting
+        from tiers.tools.routing import TraceRouting
 
         if "@skewed" in name:  # as tools/bench.py routes its skewed arms
             with TraceRouting(m, tokens=max(4096, 2 * args.prefill)):

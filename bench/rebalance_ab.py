@@ -25,12 +25,12 @@ SHAPE = dict(hidden_size=64, intermediate_size=128, num_local_experts=8, num_exp
 
 def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
     import tiers
-    from loader.pack import pack
+    from tiers.loader.pack import pack
     from tiers.integration import manager_of
-    from tools.bench import build
-    from tools.routing import TraceRouting
+    from tiers.tools.bench import build
+    from tiers.tools.routing import TraceRouting
 
-    from tools.measure import scratch_dir, write_result
+    from tiers.tools.measure import scratch_dir, write_result
 
     work = scratch_dir("tiers-ab-")
     model = build("mixtral", dict(SHAPE), torch.device("cpu"))

@@ -38,8 +38,8 @@ def measure(packed, budget: int, fraction: float, *, every: int, generates: int,
     import tiers
     from tiers.graphs import DecodeGraphs
     from tiers.integration import manager_of
-    from tools.measure import Steps
-    from tools.routing import TraceRouting
+    from tiers.tools.measure import Steps
+    from tiers.tools.routing import TraceRouting
 
     cfg = {"tiers": {"gpu": {"fraction": fraction, "staging_slots": staging}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
                      "rebalance": {"every_tokens": every}}}
@@ -78,7 +78,7 @@ def measure(packed, budget: int, fraction: float, *, every: int, generates: int,
 
 
 def main() -> int:
-    from tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
+    from tiers.tools.measure import add_counts_args, build_counts_model, fractions_of, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_counts_args(ap, generates=8)

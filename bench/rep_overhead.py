@@ -16,7 +16,7 @@ import sys
 if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.bench import bytes_bound_ms, rep_overhead_ms  # noqa: E402
+from tiers.tools.bench import bytes_bound_ms, rep_overhead_ms  # noqa: E402
 
 
 def rows(path: str) -> list[str]:

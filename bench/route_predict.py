@@ -59,7 +59,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from tiers.integration import _router_weight
-    from tools.measure import SHAPES, build, expert_modules, write_result
+    from tiers.tools.measure import SHAPES, build, expert_modules, write_result
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")

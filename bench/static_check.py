@@ -28,9 +28,9 @@ def main() -> int:
     import tiers
     import tiers.integration as integ
     import transformers.integrations.moe as moe
-    from loader.pack import pack
+    from tiers.loader.pack import pack
     from tiers.integration import manager_of
-    from tools.measure import SHAPES, TINY, build, decode_ms_per_token, scratch_dir
+    from tiers.tools.measure import SHAPES, TINY, build, decode_ms_per_token, scratch_dir
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-static-")

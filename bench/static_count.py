@@ -86,7 +86,7 @@ def measure(packed, *, rows: int, top_k: int, forwards: int, device: torch.devic
 
 
 def main() -> int:
-    from tools.measure import build_counts_model, write_result
+    from tiers.tools.measure import build_counts_model, write_result
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])

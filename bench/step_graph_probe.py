@@ -29,7 +29,7 @@ import traceback  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools.measure import SHAPES, build, write_result  # noqa: E402
+from tiers.tools.measure import SHAPES, build, write_result  # noqa: E402
 
 
 def per_token(fn, tokens: int, reps: int) -> float:

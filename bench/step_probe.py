@@ -33,7 +33,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from tools import measure  # noqa: E402
+from tiers.tools import measure  # noqa: E402
 
 VMSTAT = ("numa_hint_faults", "numa_pages_migrated", "pgmigrate_success", "thp_fault_alloc", "thp_collapse_alloc",
           "compact_stall", "compact_migrate_scanned", "pgscan_kswapd", "pgscan_direct", "pgfault", "pgmajfault")

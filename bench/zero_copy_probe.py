@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from tools.measure import event_seconds  # noqa: E402
+from tiers.tools.measure import event_seconds  # noqa: E402
 
 SHAPES = {  # name -> ((gate_up rows, cols), (down rows, cols))
     "qwen3_moe": ((1536, 2048), (2048, 768)),

@@ -1,8 +1,8 @@
 """Checkpoint reading and writing: source HF checkpoints, the packed format, pack, layouts."""
-from loader.blob import BlobLayout, blob_layout
-from loader.layout import ExpertKey, ExpertLayout, ExpertTensor, discover_layout, find_experts_modules
-from loader.pack import PackSummary, pack
-from loader.packed import BlobRef, Manifest, read_manifest, set_routing_prior
+from .blob import BlobLayout, blob_layout
+from .layout import ExpertKey, ExpertLayout, ExpertTensor, discover_layout, find_experts_modules
+from .pack import PackSummary, pack
+from .packed import BlobRef, Manifest, read_manifest, set_routing_prior
 
 __all__ = [
     "BlobLayout", "BlobRef", "ExpertKey", "ExpertLayout", "ExpertTensor", "Manifest", "PackSummary",

@@ -12,9 +12,9 @@ from functools import cached_property
 
 import torch
 
-import quant
-from loader.layout import ExpertLayout
-from quant import FieldSpec, QuantizedTensor
+from .. import quant
+from .layout import ExpertLayout
+from ..quant import FieldSpec, QuantizedTensor
 
 FIELD_ALIGN = 256
 BLOB_ALIGN = 4096

@@ -23,12 +23,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
-import quant
-from loader.blob import BLOB_ALIGN, align, blob_layout
-from loader.layout import ExpertLayout, discover_layout, find_experts_modules
-from loader.packed import MANIFEST, manifest_json, routing_prior
-from loader.skeleton import build_skeleton, key_renamer
-from loader.source import SourceCheckpoint
+from .. import quant
+from .blob import BLOB_ALIGN, align, blob_layout
+from .layout import ExpertLayout, discover_layout, find_experts_modules
+from .packed import MANIFEST, manifest_json, routing_prior
+from .skeleton import build_skeleton, key_renamer
+from .source import SourceCheckpoint
 
 DEFAULT_PRECISIONS = ("bf16", "int8")
 DENSE_SHARD_BYTES = 1 << 30

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from loader.blob import BlobLayout, blob_layout
-from loader.layout import ExpertKey, ExpertLayout
-from loader.routing import check_routing, load_routing, write_json
+from .blob import BlobLayout, blob_layout
+from .layout import ExpertKey, ExpertLayout
+from .routing import check_routing, load_routing, write_json
 
 FORMAT = "tiers-packed"
 VERSION = 1

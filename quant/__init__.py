@@ -2,9 +2,9 @@
 
 Pure functions over tensors; no knowledge of tiers, files or streams.
 """
-from quant import bnb as _bnb  # noqa: F401  (registers "bnb8")
-from quant import int8 as _int8  # noqa: F401  (registers "int8")
-from quant import plain as _plain  # noqa: F401  (registers "bf16")
-from quant.core import FieldSpec, QuantizedTensor, Scheme, get_scheme, scheme_names, sqnr_db
+from . import bnb as _bnb  # noqa: F401  (registers "bnb8")
+from . import int8 as _int8  # noqa: F401  (registers "int8")
+from . import plain as _plain  # noqa: F401  (registers "bf16")
+from .core import FieldSpec, QuantizedTensor, Scheme, get_scheme, scheme_names, sqnr_db
 
 __all__ = ["FieldSpec", "QuantizedTensor", "Scheme", "get_scheme", "scheme_names", "sqnr_db"]

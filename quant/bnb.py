@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from quant.core import FieldSpec, QuantizedTensor, register
+from .core import FieldSpec, QuantizedTensor, register
 
 BLOCKSIZE = 256
 

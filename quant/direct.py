@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.launch import kernel_module
+from .launch import kernel_module
 
 # precision -> (the field holding the encoded data, the field of per-row scales or None)
 FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
@@ -84,7 +84,7 @@ def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks
     if not 1 <= len(tensors) <= 3:
         raise ValueError(f"direct fetch: an expert of 1 to 3 tensors, got {len(tensors)}")
     if tensors[0].out.device.type == "cuda" and kernel_available():
-        from quant.direct_kernel import launch
+        from .direct_kernel import launch
 
         launch(src, starts, resident, picks, dst, ids, counts, tensors, usage)
         return ids
@@ -155,7 +155,7 @@ def plan(cache: SlotCache, row: int, resident: torch.Tensor, picks: torch.Tensor
     if not 0 <= row < cache.rows:
         raise ValueError(f"direct plan: row {row} outside the cache's {cache.rows} rows")
     if cache.slots.device.type == "cuda" and kernel_available():
-        from quant.direct_kernel import launch_plan
+        from .direct_kernel import launch_plan
 
         launch_plan(cache, row, resident, picks, ids, counts, usage)
         return
@@ -214,7 +214,7 @@ def fetch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, 
     if not 1 <= len(tensors) <= 3:
         raise ValueError(f"direct fetch: an expert of 1 to 3 tensors, got {len(tensors)}")
     if tensors[0].out.device.type == "cuda" and kernel_available():
-        from quant.direct_kernel import launch_planned
+        from .direct_kernel import launch_planned
 
         launch_planned(src, starts, picks, dst, tensors)
         return

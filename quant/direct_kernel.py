@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quant.direct import BLOCK, MAX_BLOCKS
-from quant.launch import triton_relauncher
+from .direct import BLOCK, MAX_BLOCKS
+from .launch import triton_relauncher
 
 WARPS = 8
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from quant.core import FieldSpec, QuantizedTensor, register
-from quant.launch import kernel_module
+from .core import FieldSpec, QuantizedTensor, register
+from .launch import kernel_module
 
 MAX_STACK = 65535  # the CUDA kernel's grid puts the stack on its second axis
 USE_KERNEL = True  # False: torch.mul on CUDA too (kept for A/B runs: bench/prefill_split.py's dequant field)

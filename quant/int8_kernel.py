@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quant.launch import triton_relauncher
+from .launch import triton_relauncher
 
 BLOCK = 4096  # elements per program
 WARPS = 4

@@ -131,6 +131,6 @@ def kernel_module(name: str) -> ModuleType | None:
     if not torch.cuda.is_available():
         return None
     try:
-        return importlib.import_module(f"quant.{name}")
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None

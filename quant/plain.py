@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from quant.core import FieldSpec, QuantizedTensor, register
+from .core import FieldSpec, QuantizedTensor, register
 
 
 class Bf16:

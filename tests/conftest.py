@@ -73,7 +73,7 @@ def checkpoint_factory(tmp_path_factory):
 @pytest.fixture(scope="session")
 def packed_factory(tmp_path_factory, checkpoint_factory):
     """(model_type, precisions) -> packed directory; cached for the session. Treat it as read-only."""
-    from loader.pack import pack
+    from tiers.loader.pack import pack
 
     cache: dict[tuple, Path] = {}
 

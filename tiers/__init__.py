@@ -5,6 +5,15 @@
     print(tiers.stats(model))
     tiers.save_routing(model, "routing.json")  # with the rebalancer on; load(..., routing=) starts from it
 """
+from pathlib import Path as _Path
+
+# One top-level name: the quant/, loader/ and tools/ folders beside this one install as tiers.quant,
+# tiers.loader and tiers.tools (pyproject's package-dir). A source checkout used without installing
+# (PYTHONPATH=.) finds them beside this folder instead.
+_root = _Path(__file__).resolve().parent.parent
+if (_root / "quant" / "__init__.py").is_file() and not (_root / "tiers" / "quant").exists():
+    __path__.append(str(_root))  # noqa: F821 (a package's own search path)
+
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
 from tiers.integration import load, routing_counts, save_routing, stats

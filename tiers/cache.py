@@ -13,7 +13,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 
 POLICIES = ("markov", "forecast", "lru", "lfu")
 

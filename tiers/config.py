@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-import quant
+from tiers import quant
 from tiers.cache import POLICIES
 
 _UNITS = {

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quant import direct
+from tiers.quant import direct
 
 
 @dataclass

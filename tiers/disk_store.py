@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from loader.blob import BLOB_ALIGN
-from loader.layout import ExpertKey
-from loader.packed import BlobRef, Manifest
+from tiers.loader.blob import BLOB_ALIGN
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import BlobRef, Manifest
 
 
 class IntegrityError(RuntimeError):

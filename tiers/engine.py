@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-import quant
-from loader.blob import BLOB_ALIGN, align
-from loader.layout import ExpertKey
-from loader.packed import Manifest
+from tiers import quant
+from tiers.loader.blob import BLOB_ALIGN, align
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import Manifest
 from tiers.config import TiersConfig
 from tiers.direct import DirectDecoder
 from tiers.graphs import DecodeGraphs

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from loader.blob import BLOB_ALIGN, align
+from tiers.loader.blob import BLOB_ALIGN, align
 
 
 def mapped_path(fragment: str, maps_path: str = "/proc/self/maps") -> str | None:

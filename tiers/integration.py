@@ -36,10 +36,10 @@ except ImportError:  # a transformers without it: the same operation on torch's 
         out = torch._grouped_mm(input.to(weight.dtype), weight if is_transposed else weight.transpose(-2, -1), offs=offs)
         return out + bias if bias is not None else out
 
-from loader.layout import ExpertKey, discover_layout, find_experts_modules
-from loader.packed import Manifest, file_crc32, read_manifest
-from loader.routing import read_routing, routing_document, write_routing
-from loader.skeleton import build_skeleton
+from tiers.loader.layout import ExpertKey, discover_layout, find_experts_modules
+from tiers.loader.packed import Manifest, file_crc32, read_manifest
+from tiers.loader.routing import read_routing, routing_document, write_routing
+from tiers.loader.skeleton import build_skeleton
 from tiers.config import TiersConfig, load_config
 from tiers.disk_store import IntegrityError
 from tiers import host_compute, step_graph

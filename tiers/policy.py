@@ -18,8 +18,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loader.layout import ExpertKey
-from loader.packed import Manifest
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import Manifest
 from tiers.config import TiersConfig
 
 

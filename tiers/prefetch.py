@@ -8,7 +8,7 @@ accuracy counters. Invariant: a slot whose read is in flight is held (nobody may
 """
 from __future__ import annotations
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.cache import LruSlots
 from tiers.disk_store import IntegrityError
 from tiers.residency import Home, Op

@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-import quant
-from loader.layout import ExpertGrid, ExpertKey
+from tiers import quant
+from tiers.loader.layout import ExpertGrid, ExpertKey
 from tiers.config import Rebalance
 from tiers.disk_store import IntegrityError
 from tiers.residency import Home, Op

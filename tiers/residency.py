@@ -16,7 +16,7 @@ from enum import Enum
 
 import numpy as np
 
-from loader.layout import ExpertGrid, ExpertKey
+from tiers.loader.layout import ExpertGrid, ExpertKey
 
 
 class Home(str, Enum):

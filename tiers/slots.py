@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from loader.layout import ExpertKey, ExpertLayout
+from tiers.loader.layout import ExpertKey, ExpertLayout
 
 
 class SlotPool:

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-import quant
-from loader.layout import ExpertKey
+from tiers import quant
+from tiers.loader.layout import ExpertKey
 from tiers.residency import Home
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 
 _CHUNK = 512  # tokens whose random draws are made at once: bounds memory at CHUNK * layers * experts doubles
 

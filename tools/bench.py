@@ -69,17 +69,17 @@ HOST_SUFFIX = "+host"  # tiers_<p>_<precision>+host: the same arm with tiers.cpu
 
 from tiers.cache import POLICIES  # noqa: E402
 from tiers.config import TiersConfig  # noqa: E402
-from tools.measure import (  # noqa: E402
+from tiers.tools.measure import (  # noqa: E402
     INTERLEAVE_SKIP, SHAPES, TINY, block_means, build, copy_sweep, decode_ms_per_token, expert_modules, interleaved_decode,
     lazy_experts_forward, prefill_seconds, sync, write_result,
 )
-from tools.timeline import marked_prefill, rebalancer_change, rebalancer_counts  # noqa: E402
+from tiers.tools.timeline import marked_prefill, rebalancer_change, rebalancer_counts  # noqa: E402
 
 
 def run(args) -> dict:
     import tiers
-    from loader.pack import pack
-    from loader.packed import read_manifest
+    from tiers.loader.pack import pack
+    from tiers.loader.packed import read_manifest
     from tiers.cache import belady_hits, make_cache, replay
     from tiers.engine import TierManager
     from tiers.integration import manager_of
@@ -110,7 +110,7 @@ def run(args) -> dict:
 
     def routed(m, name):
         """Route ``m`` by the skewed trace for an arm named ``...@skewed...``; a no-op context otherwise."""
-        from tools.routing import TraceRouting
+        from tiers.tools.routing import TraceRouting
 
         return TraceRouting(m, **skew, tokens=max(4096, 2 * args.prefill)) if "@skewed" in name else contextlib.nullcontext()
 
@@ -449,7 +449,7 @@ def run(args) -> dict:
         blob = next(iter(manifest.layers.values())).blobs["int8"].stride
         result["copy_sweep"] = copy_sweep(device, [1 << 20, blob, 16 << 20, 64 << 20, 256 << 20])
     if args.cold_read_gb:
-        from tools import coldread
+        from tiers.tools import coldread
 
         try:
             result["cold_read"] = coldread.measure(packed, "int8", threads=args.reader_threads, limit_bytes=int(args.cold_read_gb * 1e9),

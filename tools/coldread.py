@@ -50,8 +50,8 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
-from loader.layout import ExpertKey  # noqa: E402
-from loader.packed import Manifest, read_manifest  # noqa: E402
+from tiers.loader.layout import ExpertKey  # noqa: E402
+from tiers.loader.packed import Manifest, read_manifest  # noqa: E402
 from tiers.disk_store import DiskStore, IntegrityError, drop_page_cache  # noqa: E402
 
 REQUEST_BYTES = 8 << 20  # one O_DIRECT request, and DiskStore's chunk

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import tiers
-    from loader.pack import pack
+    from tiers.loader.pack import pack
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tiers-demo-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from loader.packed import read_manifest  # noqa: E402
+from tiers.loader.packed import read_manifest  # noqa: E402
 from tiers.stats import TierStats  # noqa: E402
 
 

@@ -325,7 +325,7 @@ def build_counts_model(args, prefix: str) -> tuple[dict, Path, int]:
 def build_packed(model_type: str, layers: int, device: torch.device, work, shape: dict | None = None):
     """A model of ``shape_of``'s shape (or ``shape``, layers included), and its pack in both
     precisions under ``work/packed`` (the checkpoint goes through ``work/hf``)."""
-    from loader.pack import pack
+    from tiers.loader.pack import pack
 
     model = build(model_type, shape or shape_of(model_type, layers, device), device)
     model.save_pretrained(work / "hf")
@@ -334,6 +334,6 @@ def build_packed(model_type: str, layers: int, device: torch.device, work, shape
 
 
 def expert_modules(model):
-    from loader.layout import find_experts_modules
+    from tiers.loader.layout import find_experts_modules
 
     return find_experts_modules(model)

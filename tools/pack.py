@@ -13,8 +13,8 @@ if __name__ == "__main__":  # run as a script: import the repo's packages, not t
 
 import argparse  # noqa: E402
 
-from loader.pack import DEFAULT_PRECISIONS, pack  # noqa: E402
-from loader.packed import set_routing_prior  # noqa: E402
+from tiers.loader.pack import DEFAULT_PRECISIONS, pack  # noqa: E402
+from tiers.loader.packed import set_routing_prior  # noqa: E402
 from tiers.config import load_config, precisions_needed  # noqa: E402
 
 

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from loader.layout import find_experts_modules
+from tiers.loader.layout import find_experts_modules
 from tiers.step_graph import graph_safe
 from tiers.trace import TraceModel
 

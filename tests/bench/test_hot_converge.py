@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 
 from bench_script import load
 
@@ -51,7 +51,7 @@ def test_a_tiny_run_records_each_generate_and_the_buffers_it_asked_for(packed_fa
     forced = hot_converge.converge(packed, 1 << 26, 0.5, 3, 2, 0.5, 6, **kw)
     assert forced["buffers"] == 3 and forced["significance"] == 0.5 and forced["max_moves"] == 6 and len(forced["generates"]) == 2
     auto = hot_converge.converge(packed, 1 << 26, 0.5, None, 2, **kw)
-    from loader.packed import read_manifest
+    from tiers.loader.packed import read_manifest
 
     cfg = load_config({"tiers": {"gpu": {"fraction": 0.5}, "rebalance": {"every_tokens": 2}}})
     assert auto["buffers"] == Rebalancer.buffer_count(read_manifest(packed), cfg)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.integration import WINDOW_GAP
 
 from bench_script import load
@@ -49,7 +49,7 @@ def test_prefill_counts_each_copy_and_dequantization_launch_once(packed_factory)
     one per tensor and warm expert; the manager and the scheme are left as they were."""
     import torch
 
-    import quant
+    from tiers import quant
     import tiers
     from tiers.integration import manager_of
 

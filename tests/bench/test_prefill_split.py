@@ -62,7 +62,7 @@ def test_kernel_split_adds_up_and_bounds_a_waiting_prefill():
     layer, and the rest; the dependency bound is the rest plus the bytes at 55 GB/s."""
     import torch
 
-    from tools.measure import TINY, build
+    from tiers.tools.measure import TINY, build
 
     model = build("qwen3_moe", TINY["qwen3_moe"] | {"layers": 3}, torch.device("cpu"))
     ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quant
-from loader.blob import blob_layout
-from loader.layout import ExpertLayout, ExpertTensor
+from tiers import quant
+from tiers.loader.blob import blob_layout
+from tiers.loader.layout import ExpertLayout, ExpertTensor
 
 # Realistic (the tiny test models) and awkward shapes: odd byte counts force padding everywhere.
 LAYOUTS = {

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.layout import ExpertGrid, ExpertKey
+from tiers.loader.layout import ExpertGrid, ExpertKey
 
 
 @settings(max_examples=100, deadline=None)

@@ -14,16 +14,16 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-import quant
+from tiers import quant
 from conftest import MODELS, tiny_config
-from loader.layout import ExpertKey, find_experts_modules
-from loader.pack import pack
-from loader.packed import MANIFEST, read_manifest
+from tiers.loader.layout import ExpertKey, find_experts_modules
+from tiers.loader.pack import pack
+from tiers.loader.packed import MANIFEST, read_manifest
 
 PRECISIONS = ("bf16", "int8")
 BLOB_ALIGN = 4096  # the format promises 4 KiB aligned blobs and data section
 # The module (``loader.pack`` the attribute is the function re-exported by loader/__init__.py).
-pack_module = importlib.import_module("loader.pack")
+pack_module = importlib.import_module("tiers.loader.pack")
 
 
 # -- helpers ---------------------------------------------------------------------------------

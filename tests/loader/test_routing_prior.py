@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import loader.routing
-from loader.pack import pack
-from loader.packed import MANIFEST, read_manifest, set_routing_prior
-from loader.routing import routing_document
+import tiers.loader.routing
+from tiers.loader.pack import pack
+from tiers.loader.packed import MANIFEST, read_manifest, set_routing_prior
+from tiers.loader.routing import routing_document
 
 MODEL = "qwen3_moe"
 
@@ -41,7 +41,7 @@ def test_pack_embeds_the_routing_file_as_the_prior(checkpoint_factory, packed_fa
     manifest = read_manifest(packed_factory(MODEL))
     L = sorted(manifest.layers)[1]
     doc = routing_document(_counts(manifest, {L: 5}), tokens=40)
-    path = loader.routing.write_routing(doc, tmp_path / "routing.json")
+    path = tiers.loader.routing.write_routing(doc, tmp_path / "routing.json")
     summary = pack(checkpoint_factory(MODEL), tmp_path / "with-prior", progress=False, routing=path)
     assert "routing prior: embedded" in str(summary)
     got = read_manifest(tmp_path / "with-prior")
@@ -56,7 +56,7 @@ def test_pack_refuses_a_bad_routing_file_before_writing_anything(checkpoint_fact
     manifest = read_manifest(packed_factory(MODEL))
     counts = _counts(manifest)
     counts[99] = [1] * 8
-    path = loader.routing.write_routing(routing_document(counts, tokens=4), tmp_path / "routing.json")
+    path = tiers.loader.routing.write_routing(routing_document(counts, tokens=4), tmp_path / "routing.json")
     with pytest.raises(ValueError, match=r"routing file '.*routing\.json': layer 99 is not a MoE layer of") as e:
         pack(checkpoint_factory(MODEL), tmp_path / "out", progress=False, routing=path)
     assert str(checkpoint_factory(MODEL)) in str(e.value)  # the checkpoint it was checked against
@@ -109,7 +109,7 @@ def test_a_failed_manifest_write_leaves_the_old_manifest_whole(packed_copy, monk
     def fail(fd):
         raise OSError("disk full")
 
-    monkeypatch.setattr(loader.routing.os, "fsync", fail)
+    monkeypatch.setattr(tiers.loader.routing.os, "fsync", fail)
     with pytest.raises(OSError, match="disk full"):
         set_routing_prior(packed_copy, routing_document(_counts(manifest), tokens=1))
     assert (packed_copy / MANIFEST).read_bytes() == before

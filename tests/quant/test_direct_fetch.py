@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quant
-from quant import QuantizedTensor
-from quant.direct import FIELDS, DirectTensor, fetch, fetch_reference
+from tiers import quant
+from tiers.quant import QuantizedTensor
+from tiers.quant.direct import FIELDS, DirectTensor, fetch, fetch_reference
 
 from conftest import devices
 
@@ -82,7 +82,7 @@ def test_fetch_decodes_misses_exactly_into_their_slots(precision, shapes, device
 @pytest.mark.parametrize("precision", ["int8", "bf16"])
 def test_kernel_matches_reference_bit_for_bit(precision):
     """The Triton kernel against the torch reference on the same inputs, many picks and experts."""
-    from quant.direct import kernel_available
+    from tiers.quant.direct import kernel_available
 
     assert kernel_available(), "Triton must be importable where CUDA is"
     shapes = [(256, 96), (96, 256)]
@@ -110,7 +110,7 @@ def test_kernel_matches_reference_bit_for_bit(precision):
 def test_a_kept_expert_fetches_the_same_as_a_tuple_every_call(device):
     """A ``DirectExpert`` keeps its launch (on CUDA: the relaunched kernel after the first two
     launches); call after call, with other picks and counters, it writes what the reference does."""
-    from quant.direct import DirectExpert
+    from tiers.quant.direct import DirectExpert
 
     precision, shapes = "int8", [(64, 96), (96, 64)]
     buf, starts, offsets, _ = _buffer(precision, shapes, 12, seed=5)
@@ -145,7 +145,7 @@ def test_an_expert_fits_one_launch_up_to_its_grid():
     """The kernel's programs per pick are each tensor's elements in blocks, one tensor after
     another; an expert fits one launch up to ``MAX_BLOCKS`` of them (Mixtral-8x7B's 176 M
     elements: 21504), and one block more does not."""
-    from quant.direct import BLOCK, MAX_BLOCKS, blocks, fits
+    from tiers.quant.direct import BLOCK, MAX_BLOCKS, blocks, fits
 
     def expert(*shapes):
         return tuple(DirectTensor(torch.empty((2, *s), dtype=torch.bfloat16, device="meta"), 0, None) for s in shapes)
@@ -162,7 +162,7 @@ def test_an_expert_fits_one_launch_up_to_its_grid():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from quant.direct import SlotCache, fetch_cached, plan, plan_reference  # noqa: E402
+from tiers.quant.direct import SlotCache, fetch_cached, plan, plan_reference  # noqa: E402
 
 
 def _plan_call(cache, row, resident, picks, device, usage=None, run=plan):

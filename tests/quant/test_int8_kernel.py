@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quant
-from quant import QuantizedTensor
-from quant import int8 as int8_mod
+from tiers import quant
+from tiers.quant import QuantizedTensor
+from tiers.quant import int8 as int8_mod
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -104,7 +104,7 @@ def test_kernel_matches_torch_mul_bit_for_bit(k, rows, cols, dtype, monkeypatch)
     """The engine's strided stacks, one element at a time and whole, relaunched past Triton's
     dispatch: every call goes through the kernel (no size floor here) and equals torch.mul on
     the same device."""
-    from quant import int8_kernel
+    from tiers.quant import int8_kernel
 
     monkeypatch.setattr(int8_mod, "KERNEL_MIN_CODES", 0)
     launches = counting_launches(monkeypatch)

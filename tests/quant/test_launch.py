@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quant.launch import Relauncher
+from tiers.quant.launch import Relauncher
 
 
 class FakeKernel:
@@ -178,7 +178,7 @@ def _fake_triton(monkeypatch, knobs: bool):
 
 
 def test_triton_relauncher_reads_tritons_stream_and_hooks(monkeypatch):
-    from quant.launch import triton_relauncher
+    from tiers.quant.launch import triton_relauncher
 
     rt = _fake_triton(monkeypatch, knobs=True)
     jit = FakeJit("all")
@@ -199,7 +199,7 @@ def test_triton_relauncher_reads_tritons_stream_and_hooks(monkeypatch):
 
 
 def test_triton_relauncher_without_knobs_keeps_tritons_path(monkeypatch):
-    from quant.launch import triton_relauncher
+    from tiers.quant.launch import triton_relauncher
 
     _fake_triton(monkeypatch, knobs=False)
     r = triton_relauncher(FakeJit("all"), {})
@@ -207,14 +207,14 @@ def test_triton_relauncher_without_knobs_keeps_tritons_path(monkeypatch):
 
 
 def test_kernel_module_needs_cuda_and_an_importable_module(monkeypatch):
-    import quant.core
-    from quant.launch import kernel_module
+    import tiers.quant.core
+    from tiers.quant.launch import kernel_module
 
     kernel_module.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert kernel_module("core") is None
     kernel_module.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert kernel_module("core") is quant.core
+    assert kernel_module("core") is tiers.quant.core
     assert kernel_module("no_such_kernel") is None  # as where Triton is missing: the import fails
     kernel_module.cache_clear()

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-import quant
-from quant import QuantizedTensor
+from tiers import quant
+from tiers.quant import QuantizedTensor
 
 LIGHT = ("bf16", "int8")  # schemes that need no bitsandbytes (slow import): tested on every device
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.cache import ForecastSlots, LfuSlots, LruSlots, MarkovSlots, belady_hits, make_cache, replay
 from tiers.trace import TraceModel, lookups
 

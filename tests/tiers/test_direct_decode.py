@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiers
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.integration import manager_of
 from tiers.residency import Home, Op
 

@@ -13,8 +13,8 @@ import torch
 
 import tiers.disk_store as disk_store
 from conftest import flip_byte
-from loader.blob import BLOB_ALIGN
-from loader.packed import read_manifest
+from tiers.loader.blob import BLOB_ALIGN
+from tiers.loader.packed import read_manifest
 from tiers.disk_store import DiskStore, IntegrityError
 from test_disk_store_parallel import PRECISIONS, file_bytes, packed, packed_copy  # noqa: F401 (fixtures)
 
@@ -29,7 +29,7 @@ def aligned_buffer(nbytes: int, shift: int = 0) -> torch.Tensor:
 
 def _direct_supported(root) -> bool:
     """Whether the test filesystem takes O_DIRECT reads, asked independently of DiskStore."""
-    from tools.coldread import probe_direct
+    from tiers.tools.coldread import probe_direct
 
     m = read_manifest(root)
     return probe_direct(root / m.ref(m.keys[0], "bf16").file) is None

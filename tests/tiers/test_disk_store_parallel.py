@@ -16,8 +16,8 @@ import torch
 
 import tiers.disk_store as disk_store
 from conftest import flip_byte
-from loader.layout import ExpertKey
-from loader.packed import read_manifest
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import read_manifest
 from tiers.disk_store import DiskStore, IntegrityError, drop_page_cache
 
 MODEL = "mixtral"  # bf16 blobs of 36 KiB (9 pages), int8 blobs of 19 KiB in a 20 KiB stride

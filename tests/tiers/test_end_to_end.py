@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 import tiers
-from loader.layout import find_experts_modules
-from loader.packed import read_manifest
+from tiers.loader.layout import find_experts_modules
+from tiers.loader.packed import read_manifest
 from tiers.config import load_config
 from tiers.integration import manager_of
 from tiers.policy import plan_placement
@@ -477,7 +477,7 @@ def test_window_linear_is_transformers_grouped_linear(bias, device):
 def _slot_proxy(model_type: str, device, n_slots: int = 6, seed: int = 0):
     """An experts module of ``model_type`` (tiny) seen through random bf16 slabs of ``n_slots``."""
     from tiers.integration import _proxy
-    from tools.measure import TINY, build
+    from tiers.tools.measure import TINY, build
 
     module = find_experts_modules(build(model_type, dict(TINY[model_type], layers=1), torch.device("cpu")))[0][1]
     g = torch.Generator().manual_seed(seed)
@@ -493,7 +493,7 @@ def test_picked_views_are_the_slots_in_place_and_compute_what_the_gather_does(mo
     forward on them gives exactly what it gives gathering the slots, swapped picks included."""
     from transformers.integrations.moe import batched_mm_experts_forward
 
-    from loader.layout import ExpertKey
+    from tiers.loader.layout import ExpertKey
     from tiers.integration import _batched_host_routed, _picked
 
     proxy, slabs = _slot_proxy(model_type, device)

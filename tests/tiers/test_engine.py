@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tiers
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.integration import manager_of
 
 INT8 = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 2}, "cpu": {"fraction": 0.4}, "nvme": {"precision": "int8"}}}
@@ -58,7 +58,7 @@ def test_cached_staging_slot_is_a_gpu_hit(packed_factory):
 def _recorded_manager(packed, staging=4, cache="lru", cpu="int8", cpu_share=None):
     from test_slots import Recorder, RecordingStreams
 
-    from loader.packed import read_manifest
+    from tiers.loader.packed import read_manifest
     from tiers.config import load_config
     from tiers.engine import TierManager
     from tiers.policy import plan_placement

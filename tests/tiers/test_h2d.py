@@ -11,7 +11,7 @@ import torch
 import tiers
 import tiers.engine as engine
 import tiers.h2d as h2d
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.h2d import copy_batch
 from tiers.host_pool import HostPool
 from tiers.integration import manager_of

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import tiers
-from loader.layout import ExpertKey, find_experts_modules
+from tiers.loader.layout import ExpertKey, find_experts_modules
 from tiers import host_compute
 from tiers.config import parse_config
 from tiers.host_compute import COPY_BYTES_PER_S, expert_forward, split
@@ -87,9 +87,9 @@ def test_expert_forward_is_the_modules_forward(model_type, checkpoint_factory, p
     """One token through each expert from its packed blob, against the experts module's own
     forward in bf16: bf16 views within bf16 rounding (40 dB each); INT8 views at least
     ``INT8_ONE_EXPERT_SQNR_DB`` each and the INT8 layer bound over all of them together."""
-    from loader.packed import read_manifest
+    from tiers.loader.packed import read_manifest
 
-    import quant
+    from tiers import quant
 
     ref = reference(checkpoint_factory(model_type), torch.device("cpu"))
     manifest = read_manifest(packed_factory(model_type))

@@ -12,8 +12,8 @@ import torch
 
 import tiers
 from conftest import flip_byte
-from loader.layout import ExpertKey
-from loader.packed import read_manifest
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import read_manifest
 from tiers.config import load_config
 from tiers.disk_store import DiskStore
 from tiers.integration import manager_of

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from loader.blob import blob_layout
-from loader.layout import ExpertKey
-from loader.packed import read_manifest
+from tiers.loader.blob import blob_layout
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import read_manifest
 from tiers.config import parse_config
 from tiers.cache import LruSlots
 import tiers.policy

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import tiers
-from loader.layout import ExpertKey, find_experts_modules
-from loader.packed import read_manifest
+from tiers.loader.layout import ExpertKey, find_experts_modules
+from tiers.loader.packed import read_manifest
 from tiers.config import load_config
 from tiers.disk_store import DiskStore
 from tiers.engine import TierManager

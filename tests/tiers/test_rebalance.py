@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiers
-from loader.layout import ExpertGrid, ExpertKey
-from loader.packed import read_manifest
+from tiers.loader.layout import ExpertGrid, ExpertKey
+from tiers.loader.packed import read_manifest
 from tiers.config import load_config
 from tiers.disk_store import DiskStore, IntegrityError
 from tiers.engine import TierManager

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.residency import Home, IllegalTransition, Op, Residency, ResidencyTable, SlotState, transition
 
 L, R = SlotState.LOADING, SlotState.READY

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import tiers
-from loader.layout import ExpertKey
-from loader.packed import read_manifest, set_routing_prior
+from tiers.loader.layout import ExpertKey
+from tiers.loader.packed import read_manifest, set_routing_prior
 from tests.conftest import devices
 from tiers.integration import manager_of
-from loader.routing import read_routing, routing_document, write_routing
+from tiers.loader.routing import read_routing, routing_document, write_routing
 from tiers.policy import preference_order
 
 REBALANCING = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.75, "precision": "int8"},

@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loader.layout import ExpertKey, ExpertLayout, ExpertTensor
-from loader.packed import read_manifest
+from tiers.loader.layout import ExpertKey, ExpertLayout, ExpertTensor
+from tiers.loader.packed import read_manifest
 from tiers.config import load_config
 from tiers.disk_store import IntegrityError
 from tiers.engine import Streams, TierManager
@@ -248,7 +248,7 @@ def world(packed_factory, checkpoint_factory) -> World:
     """Every expert's bf16 weights, read through transformers from the source checkpoint (not the pack)."""
     from transformers import AutoModelForCausalLM
 
-    from loader.layout import find_experts_modules
+    from tiers.loader.layout import find_experts_modules
 
     manifest = read_manifest(packed_factory(MODEL, PRECISIONS))
     model = AutoModelForCausalLM.from_pretrained(checkpoint_factory(MODEL), dtype=torch.bfloat16)

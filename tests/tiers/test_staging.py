@@ -16,7 +16,7 @@ import torch
 
 import tiers
 import tiers.policy
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from test_engine import _recorded_manager
 from test_integrity import corrupt_expert, decoded
 from tiers.integration import manager_of
@@ -93,7 +93,7 @@ def test_a_scattered_stack_dequantizes_each_run_of_slots_in_one_launch_per_tenso
     """A stack whose slots are not all in a row (a streamed part's slots skip the experts cached in
     its buffer) launches one dequantization per tensor for each run of slots in a row, not one
     per expert, and every slot still equals its blob dequantized alone."""
-    import quant
+    from tiers import quant
 
     mgr = manager_of(tiers.load(packed_factory("qwen3_moe"), INT8, device="cpu", progress=False))
     scheme = quant.get_scheme("int8")

@@ -306,7 +306,7 @@ def test_trace_routing_inside_the_graph_routes_each_step_anew(device, packed_fac
     captured one; all layers static here: direct decode's CPU stand-in plans on the host). Taking
     the hooks off drops the graph, which held their kernels, and captures anew."""
     from replay_graph import ReplayGraph
-    from tools.routing import TraceRouting
+    from tiers.tools.routing import TraceRouting
 
     packed = packed_factory("qwen3_moe", ("bf16",))
     ids = _prompt(device)
@@ -344,7 +344,7 @@ def test_trace_routing_with_direct_layers_counts_what_op_by_op_counts(device, pa
     cache, the rebalancer counted exactly the same lookups per expert (a step routed as another
     would count other experts), and tokens and logits agree within the static cache's bound. On
     the CPU, ``HostGraph`` calls the hooks at each replay: only a GPU run checks the device counters here."""
-    from tools.routing import TraceRouting
+    from tiers.tools.routing import TraceRouting
 
     packed = packed_factory("qwen3_moe", ("bf16",))
     ids = _prompt(device)

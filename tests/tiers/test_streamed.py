@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import tiers
-from loader.layout import ExpertKey
+from tiers.loader.layout import ExpertKey
 from tiers.integration import find_experts_modules, manager_of
 
 # a quarter of the experts hot, the rest warm; 4 staging slots: parts of 2 misses

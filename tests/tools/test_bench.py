@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from tools import bench
+from tiers.tools import bench
 
 
 def test_tiny_bench_runs_and_reports(tmp_path):
@@ -576,9 +576,9 @@ def test_the_staging_only_arm_holds_no_hot_expert_at_mixtral_shapes(packed_facto
     with a row per slot, it would hold one hot expert. Real shapes, layouts only (no weights)."""
     import dataclasses
 
-    from loader.blob import blob_layout
-    from loader.layout import ExpertLayout, ExpertTensor
-    from loader.packed import read_manifest
+    from tiers.loader.blob import blob_layout
+    from tiers.loader.layout import ExpertLayout, ExpertTensor
+    from tiers.loader.packed import read_manifest
     from tiers.config import parse_config
     from tiers.policy import plan_placement
 

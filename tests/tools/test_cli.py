@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from loader.packed import read_manifest
+from tiers.loader.packed import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 # tools.inspect shadows nothing when imported as a package module; as a script it must not
 # be confused with the stdlib's inspect (tested through the subprocess below).
-pack_cli = importlib.import_module("tools.pack")
-inspect_cli = importlib.import_module("tools.inspect")
+pack_cli = importlib.import_module("tiers.tools.pack")
+inspect_cli = importlib.import_module("tiers.tools.inspect")
 
 MODEL = "qwen3_moe"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from loader.packed import read_manifest
+from tiers.loader.packed import read_manifest
 from tiers.disk_store import drop_page_cache
-from tools import coldread
+from tiers.tools import coldread
 
 MODEL = "mixtral"
 RATE_FIELDS = ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel")

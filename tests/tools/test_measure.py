@@ -37,7 +37,7 @@ def test_expert_bytes_and_the_ab_config():
     import torch
 
     from tiers.config import load_config
-    from tools.measure import expert_bytes_of, warm_config
+    from tiers.tools.measure import expert_bytes_of, warm_config
 
     model = torch.nn.Module()
     model.experts = torch.nn.Parameter(torch.zeros(4, 3, 2, dtype=torch.bfloat16))
@@ -54,7 +54,7 @@ class _Owner:
 
 
 def test_steps_time_calls_and_restore_owners():
-    from tools.measure import Steps
+    from tiers.tools.measure import Steps
 
     steps = Steps()
     inst = _Owner()
@@ -69,7 +69,7 @@ def test_steps_time_calls_and_restore_owners():
 
 
 def test_steps_label_each_call_by_split_and_clear_keeps_the_wrappers():
-    from tools.measure import Steps
+    from tiers.tools.measure import Steps
 
     obj = _Owner()
     steps = Steps()
@@ -90,7 +90,7 @@ def test_interleaved_decode_takes_turns_and_decodes_as_generate():
     after the untimed steps; one time per timed step and model."""
     import torch
 
-    from tools.measure import TINY, block_means, build, interleaved_decode
+    from tiers.tools.measure import TINY, block_means, build, interleaved_decode
 
     a, b = build("qwen3_moe", TINY["qwen3_moe"], torch.device("cpu"), seed=0), build("qwen3_moe", TINY["qwen3_moe"], torch.device("cpu"), seed=1)
     prompt = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(3))
@@ -123,7 +123,7 @@ def test_interleaved_decode_takes_turns_and_decodes_as_generate():
 def test_thread_usage_counts_this_threads_work_not_its_waits():
     import threading
 
-    from tools.measure import thread_usage
+    from tiers.tools.measure import thread_usage
 
     c0 = thread_usage()[0]
     time.sleep(0.15)
@@ -149,7 +149,7 @@ def test_thread_usage_counts_this_threads_work_not_its_waits():
 def test_thread_usage_takes_cpu_time_from_the_threads_cpu_clock(monkeypatch):
     """The CPU seconds are the thread's CPU clock's, not rusage's, whose times some hosts count in
     4 ms ticks (a decode step's CPU time would read 0, 4 or 8 ms)."""
-    from tools.measure import thread_usage
+    from tiers.tools.measure import thread_usage
 
     monkeypatch.setattr(time, "thread_time", lambda: 1234.5)
     assert thread_usage()[0] == 1234.5

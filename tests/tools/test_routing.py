@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from loader.layout import find_experts_modules
-from tools import bench
-from tools.routing import TraceRouting
+from tiers.loader.layout import find_experts_modules
+from tiers.tools import bench
+from tiers.tools.routing import TraceRouting
 
 from conftest import HAS_CUDA
 

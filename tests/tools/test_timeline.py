@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tools import timeline
-from tools.timeline import split
+from tiers.tools import timeline
+from tiers.tools.timeline import split
 
 
 def _layer(i: int, t: float, attn: float, sync: float, plan: float, parts: list[float], gap: float, tail: float) -> tuple[list, float]:
@@ -91,7 +91,7 @@ def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_r
     import tiers
     import tiers.integration as integration
     from tiers.integration import manager_of
-    from tools.timeline import Marks, marking
+    from tiers.tools.timeline import Marks, marking
 
     cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"},
                      "nvme": {"precision": "bf16"}}}
