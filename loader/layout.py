@@ -171,3 +171,12 @@ def find_experts_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.n
             raise ValueError(f"two experts modules claim layer {layer}: {found[layer][0]} and {name}")
         found[layer] = (name, module)
     return dict(sorted(found.items()))
+
+
+def unservable(module: torch.nn.Module) -> str | None:
+    """Why Tiers' experts forward cannot serve this experts module, or None when it can: it runs
+    transformers' grouped_mm and batched_mm forwards, which read these attributes of the module."""
+    missing = [a for a in ("has_gate", "has_bias", "is_transposed", "act_fn", "_apply_gate") if not hasattr(module, a)]
+    if missing:
+        return f"its experts module has no {', '.join(missing)} (a gate function of its own); Tiers cannot serve this family yet"
+    return None

@@ -4,7 +4,7 @@ Owns: parsing, defaults and validation. Every error is a ValueError naming the k
 e.g. ``tiers.gpu.fraction``), the value given and what is allowed. Sizes are a fraction in
 [0, 1] (``fraction: 0.25``) or bytes (``budget: 24GiB``, ``budget: 512MB``, ``budget: 1073741824``).
 Checks that need the packed checkpoint (a budget smaller than one expert, a precision that
-was not packed) happen in ``tiers.policy.plan_placement``.
+was not packed) happen in ``tiers.policy.placement.plan_placement``.
 """
 from __future__ import annotations
 
@@ -17,14 +17,12 @@ from typing import Any
 import yaml
 
 from tiers import quant
-from tiers.cache import POLICIES
 
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-HOST_COMPUTE_PRECISIONS = ("bf16", "int8")  # warm tiers the host can compute from (tiers.cpu.compute)
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -41,34 +39,18 @@ class GpuTier:
     size: TierSize = TierSize(fraction=0.25)
     precision: str = "bf16"  # the packed precision hot experts are loaded from
     staging_slots: int | str = "auto"  # GPU slots for misses, inside the budget; auto: 2 x top-k (up to 4 x for 64 MiB parts) in at most half the budget
-    cache: str = "markov"  # which staging slot a miss takes: markov (layer-aware next use, per-state chances), forecast, lru or lfu
-    lfu_decay: float = 0.99  # lfu: a lookup's weight decays by this factor per later lookup
-    compute: str = "grouped"  # experts kernels over the slots: grouped (grouped_mm) or eager (per-expert loop)
-    prefetch_depth: int = 0  # stage the predicted experts of this many later layers (speculative routing); 0: off
-    decode_graphs: bool = True  # in generate's decode stage on CUDA, replay the experts calls as CUDA graphs (tiers.graphs)
-    prefill_graphs: bool = True  # on CUDA, replay whole-layer calls' plans and windows as CUDA graphs where shapes recur
-    step_graphs: bool = True  # on CUDA, replay generate's batch-1 decode steps whole, each as one CUDA graph (tiers.step_graph)
+    graphs: bool = True  # on CUDA: decode steps, decode layer calls and recurring prefill plans replayed as CUDA graphs
 
 
 @dataclass(frozen=True)
 class CpuTier:
     size: TierSize = TierSize(fraction=0.5)
     precision: str = "int8"
-    # the GPU decodes small experts straight out of this pool (CUDA with Triton; see tiers.direct):
-    # direct decode and direct stacks; false: every miss is copied up, then dequantized
-    direct_reads: bool = True
-    # in generate's decode stage, compute one token's warm misses on the host's cores instead of
-    # copying every one up: each call's misses are split between the copy engine and the cores so
-    # that both finish soonest (tiers.host_compute); bf16 or int8 warm tier, experts without biases
-    compute: bool = False
-    compute_threads: int = 0  # intra-op threads of that work; 0: every core but one beside a GPU (torch's count on a CPU device)
 
 
 @dataclass(frozen=True)
 class NvmeTier:
     precision: str = "int8"
-    reader_threads: int = 4  # threads that read prefetched cold experts; 0: read on the calling thread
-    direct_io: bool = False  # read cold blobs with O_DIRECT (bypassing the page cache) where the filesystem allows
 
 
 @dataclass(frozen=True)
@@ -76,9 +58,6 @@ class Rebalance:
     every_tokens: int = 0  # re-count routing and rebalance the tiers every this many tokens; 0: off
     window: int = 64  # the frequency is counted over the last ``window`` intervals of every_tokens
     max_moves: int = 8  # experts promoted per rebalance, at most (each tier); bounds how fast the tiers settle, not the churn once settled
-    margin: float = 0.25  # a newcomer must be used this much more often than the expert it replaces
-    significance: float = 3.0  # ... and by this many standard deviations of the difference of two Poisson counts
-    across_layers: bool = False  # a hot newcomer may replace another layer's expert (its layer's hot slots then scatter)
 
 
 @dataclass(frozen=True)
@@ -149,54 +128,36 @@ def _precision(d: dict, key: str, default: str) -> str:
     return p
 
 
+KEYS = {
+    "gpu": ("fraction", "budget", "precision", "staging_slots", "graphs"),
+    "cpu": ("fraction", "budget", "precision"),
+    "nvme": ("precision",),
+    "rebalance": ("every_tokens", "window", "max_moves"),
+}
+
+
 def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
-    tiers = _check_keys(top.get("tiers"), "tiers", {"gpu", "cpu", "nvme", "rebalance"})
-    g = _check_keys(tiers.get("gpu"), "tiers.gpu", {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs",
-                                                     "prefill_graphs", "step_graphs"})
-    c = _check_keys(tiers.get("cpu"), "tiers.cpu", {"fraction", "budget", "precision", "direct_reads", "compute", "compute_threads"})
-    n = _check_keys(tiers.get("nvme"), "tiers.nvme", {"precision", "reader_threads", "direct_io"})
+    tiers = _check_keys(top.get("tiers"), "tiers", set(KEYS))
+    g, c, n, r = (_check_keys(tiers.get(t), f"tiers.{t}", set(KEYS[t])) for t in KEYS)
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
         raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got {slots!r}")
-    cache = g.get("cache", d.gpu.cache)
-    if cache not in POLICIES:
-        raise ValueError(f"tiers.gpu.cache: unknown policy {cache!r}; allowed: {sorted(POLICIES)}")
-    decay = g.get("lfu_decay", d.gpu.lfu_decay)
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
-        raise ValueError(f"tiers.gpu.lfu_decay: expected a number in (0, 1], got {decay!r}")
-    compute = g.get("compute", d.gpu.compute)
-    if compute not in ("grouped", "eager"):
-        raise ValueError(f"tiers.gpu.compute: unknown kernels {compute!r}; allowed: ['eager', 'grouped']")
-    depth = g.get("prefetch_depth", d.gpu.prefetch_depth)
-    if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 8:
-        raise ValueError(f"tiers.gpu.prefetch_depth: expected an integer in [0, 8], got {depth!r}")
-    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots, cache,
-                  float(decay), compute, depth, _flag(g, "tiers.gpu", "decode_graphs", d.gpu.decode_graphs),
-                  _flag(g, "tiers.gpu", "prefill_graphs", d.gpu.prefill_graphs), _flag(g, "tiers.gpu", "step_graphs", d.gpu.step_graphs))
+    gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots,
+                  _flag(g, "tiers.gpu", "graphs", d.gpu.graphs))
     cpu_default = d.cpu.size
     if gpu.size.fraction is not None:  # the default cpu share never pushes the sum above 1
         cpu_default = TierSize(fraction=min(d.cpu.size.fraction, round(1.0 - gpu.size.fraction, 12)))
-    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision),
-                  _flag(c, "tiers.cpu", "direct_reads", d.cpu.direct_reads), _flag(c, "tiers.cpu", "compute", d.cpu.compute),
-                  _int_in(c, "tiers.cpu", "compute_threads", d.cpu.compute_threads, 0, 1024))
-    if cpu.compute and cpu.precision not in HOST_COMPUTE_PRECISIONS:
-        raise ValueError(f"tiers.cpu.compute: the host computes bf16 or int8 experts, not {cpu.precision!r} "
-                         f"(tiers.cpu.precision); allowed: {list(HOST_COMPUTE_PRECISIONS)}")
-    if cpu.compute and compute != "grouped":
-        raise ValueError(f"tiers.cpu.compute: needs tiers.gpu.compute: grouped, got {compute!r}")
-    readers = n.get("reader_threads", d.nvme.reader_threads)
-    if isinstance(readers, bool) or not isinstance(readers, int) or not 0 <= readers <= 64:
-        raise ValueError(f"tiers.nvme.reader_threads: expected an integer in [0, 64], got {readers!r}")
-    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision), readers, _flag(n, "tiers.nvme", "direct_io", d.nvme.direct_io))
+    cpu = CpuTier(_size(c, "tiers.cpu", cpu_default), _precision(c, "tiers.cpu", d.cpu.precision))
+    nvme = NvmeTier(_precision(n, "tiers.nvme", d.nvme.precision))
     if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
         raise ValueError(
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
             f"{gpu.size.fraction} + {cpu.size.fraction} = {gpu.size.fraction + cpu.size.fraction}"
         )
-    return TiersConfig(gpu, cpu, nvme, _rebalance(_check_keys(tiers.get("rebalance"), "tiers.rebalance", {"every_tokens", "window", "max_moves", "margin", "significance", "across_layers"})))
+    return TiersConfig(gpu, cpu, nvme, _rebalance(r))
 
 
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:
@@ -206,22 +167,12 @@ def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int
     return v
 
 
-def _number_in(d: dict, key: str, name: str, default: float, lo: float, hi: float) -> float:
-    v = d.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-        raise ValueError(f"{key}.{name}: expected a number in [{lo:g}, {hi:g}], got {v!r}")
-    return float(v)
-
-
 def _rebalance(r: dict) -> Rebalance:
     d = Rebalance()
     return Rebalance(
         every_tokens=_int_in(r, "tiers.rebalance", "every_tokens", d.every_tokens, 0, 1 << 30),
         window=_int_in(r, "tiers.rebalance", "window", d.window, 1, 1024),
         max_moves=_int_in(r, "tiers.rebalance", "max_moves", d.max_moves, 1, 1 << 20),
-        margin=_number_in(r, "tiers.rebalance", "margin", d.margin, 0, 100),
-        significance=_number_in(r, "tiers.rebalance", "significance", d.significance, 0, 100),
-        across_layers=_flag(r, "tiers.rebalance", "across_layers", d.across_layers),
     )
 
 

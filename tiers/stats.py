@@ -26,19 +26,17 @@ class TierStats:
     gpu_slots: dict[str, int]
     memory: dict[str, int]
     device: str
-    prefetch: dict[str, float] = field(default_factory=dict)
+    read_ahead: dict[str, int] = field(default_factory=dict)  # reads, errors: cold misses of a call read in parallel
     rebalance: dict[str, int] = field(default_factory=dict)
     direct: dict[str, int] = field(default_factory=dict)  # on (0/1), decode_calls, stacks: the direct-read paths taken
     # calls, parts: long calls read part by part into reserved slots; whole: of those, calls that
     # read their layer's every warm expert without a sync; unused, unused_bytes: what those read in vain
     streamed: dict[str, int] = field(default_factory=dict)
-    # on (0/1), graphs (held now), captured, replayed, eager, failed: decode calls replayed as CUDA graphs (tiers.graphs)
+    # on (0/1), graphs (held now), captured, replayed, eager, failed: decode calls replayed as CUDA graphs (tiers.graphs.graph_cache)
     graphs: dict[str, int] = field(default_factory=dict)
-    # the same for whole-layer calls' plans and windows (TierManager.whole_graphs)
+    # the same for whole-layer calls' plans and windows (prefill graphs)
     whole_graphs: dict[str, int] = field(default_factory=dict)
-    # on (0/1); once used: threads, experts, bytes, seconds, rate_gbps: decode misses computed on the host (tiers.host_compute)
-    host_compute: dict[str, float] = field(default_factory=dict)
-    # bytes_moved's share read inside step graphs (tiers.step_graph), which no timing event spans:
+    # bytes_moved's share read inside step graphs (tiers.graphs.step_graphs), which no timing event spans:
     # left out of h2d_gbps, whose time counts only timed copies
     untimed_bytes: int = 0
     # on (0/1), steps (decode steps replayed as one graph), captured, eager (steps run op by op, by
@@ -68,13 +66,12 @@ class TierStats:
             "h2d_gbps": self.h2d_gbps,
             "gpu_slots": dict(self.gpu_slots),
             "memory": dict(self.memory),
-            "prefetch": dict(self.prefetch),
+            "read_ahead": dict(self.read_ahead),
             "rebalance": dict(self.rebalance),
             "direct": dict(self.direct),
             "streamed": dict(self.streamed),
             "graphs": dict(self.graphs),
             "whole_graphs": dict(self.whole_graphs),
-            "host_compute": dict(self.host_compute),
             "untimed_bytes": self.untimed_bytes,
             "step_graphs": dict(self.step_graphs),
         }
@@ -102,12 +99,6 @@ class TierStats:
             f"of {self.memory['gpu_budget'] / mib:.1f} MiB budget; host pool {self.memory['host_bytes'] / mib:.1f} MiB "
             f"({'pinned' if self.memory['host_pinned'] else 'not pinned: no CUDA'})"
         )
-        if self.prefetch.get("issued"):
-            p = self.prefetch
-            lines.append(
-                f"prefetch: {p['issued']} staged ahead, {p['used']} used, accuracy {p['accuracy']:.1%}, "
-                f"{p['wasted_bytes'] / mib:.1f} MiB wasted"
-            )
         if self.direct.get("decode_calls") or self.direct.get("stacks"):
             lines.append(f"direct reads: {self.direct['decode_calls']} decode layer calls, {self.direct['stacks']} stacks "
                          "decoded by the GPU straight from pinned memory")
@@ -132,10 +123,6 @@ class TierStats:
             if g.get("replayed") or g.get("failed"):
                 lines.append(f"  their plans and windows: {g['replayed']} replayed from {g['graphs']} graphs ({g['captured']} captured, "
                              f"{g['eager']} eager, {g['failed']} captures failed)")
-        if self.host_compute.get("experts"):
-            h = self.host_compute
-            lines.append(f"host compute: {h['experts']} warm misses computed on {h['threads']} host threads "
-                         f"({h['bytes'] / mib:.1f} MiB read in {h['seconds'] * 1e3:.1f} ms, {h['rate_gbps']:.1f} GB/s now)")
         if self.rebalance:
             r = self.rebalance
             lines.append(
@@ -154,17 +141,11 @@ class StatsCollector:
     bytes_moved: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "nvme": 0})
     stage_seconds: float = 0.0
     stall_seconds: float = 0.0
-    prefetch_issued: int = 0
-    prefetch_used: int = 0
-    prefetch_bytes: int = 0
-    prefetch_wasted_bytes: int = 0
-    prefetch_correct: int = 0
-    prefetch_used_total: int = 0
     async_reads: int = 0  # cold blobs read on reader threads
     async_read_errors: int = 0  # read-aheads that failed (the demand read raises)
     direct_calls: int = 0  # decode layer calls served by direct decode
     direct_stacks: int = 0  # direct stacks launched
-    streamed_calls: int = 0  # layer calls streamed part by part (tiers.streamed)
+    streamed_calls: int = 0  # layer calls streamed part by part (tiers.paths.streamed)
     streamed_parts: int = 0  # their parts of misses
     whole_calls: int = 0  # of those, calls that read every warm expert of their layer without a sync
     unused_reads: int = 0  # experts such calls read from the warm pool that no row was routed to
@@ -194,22 +175,11 @@ class StatsCollector:
                 self.stall_seconds += seconds
         self._pending.clear()
 
-    def prefetch_report(self) -> dict[str, float]:
-        """accuracy = predicted-and-used / used, over layer calls that had a prediction."""
-        return {
-            "issued": self.prefetch_issued,
-            "used": self.prefetch_used,
-            "bytes": self.prefetch_bytes,
-            "wasted_bytes": self.prefetch_wasted_bytes,
-            "accuracy": self.prefetch_correct / self.prefetch_used_total if self.prefetch_used_total else 0.0,
-            "async_reads": self.async_reads,
-            "async_read_errors": self.async_read_errors,
-        }
+    def read_ahead_report(self) -> dict[str, int]:
+        return {"reads": self.async_reads, "errors": self.async_read_errors}
 
     def reset(self) -> None:
         self.resolve()
-        self.prefetch_issued = self.prefetch_used = self.prefetch_bytes = 0
-        self.prefetch_wasted_bytes = self.prefetch_correct = self.prefetch_used_total = 0
         self.async_reads = self.async_read_errors = 0
         self.direct_calls = self.direct_stacks = 0
         self.streamed_calls = self.streamed_parts = 0

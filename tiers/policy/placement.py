@@ -1,9 +1,9 @@
-"""Placement policy: which experts are hot, warm or cold, and which staging slot to reuse.
+"""Placement: which experts are hot, warm or cold at load, and how many GPU slots each pool has.
 
 Owns: turning the YAML sizes into counts against the packed checkpoint (with the errors that
 need it: a budget smaller than one expert, a precision that was not packed), the preference
 order (a routing file's counts when the load names one, else the manifest's routing prior when
-present, else round-robin over layers so every layer gets an equal share), and LRU choice among
+present, else round-robin over layers so every layer gets an equal share), and the number of
 staging slots. Routing documents themselves (files and priors) are ``loader.routing``'s.
 
 Budget accounting on the GPU: ``budget >= hot slots + staging slots + transit rows``, all in
@@ -145,70 +145,73 @@ def _fill(order: list[ExpertKey], cost: dict[int, int], budget: int) -> list[Exp
     return taken
 
 
-def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, Sequence[float]] | None = None) -> Placement:
-    """The hot, warm and cold sets and the slot plan: experts taken in ``preference_order`` (by
-    ``routing``, when given) while each tier's budget holds."""
-    order = preference_order(manifest, routing)
-    slot_bytes = {L: e.layout.nbytes() for L, e in manifest.layers.items()}
-    total_compute = sum(slot_bytes[k.layer] for k in order)
+class _Sizes:
+    """What the GPU plan needs to know of a manifest under a config: groups of layers sharing one
+    expert signature (one slot pool each), their slot bytes, and their lossy transfer forms."""
 
-    # -- gpu -----------------------------------------------------------------------------
-    size = cfg.gpu.size
-    gpu_key = "tiers.gpu.budget" if size.budget is not None else "tiers.gpu.fraction"
-    gpu_budget = size.budget if size.budget is not None else int(size.fraction * total_compute)
-    _check_precision(manifest, "tiers.gpu.precision", cfg.gpu.precision)
-    groups_by_sig: dict[tuple, list[int]] = {}
-    for L, entry in manifest.layers.items():
-        groups_by_sig.setdefault(entry.layout.signature, []).append(L)
+    def __init__(self, cfg: TiersConfig, manifest: Manifest):
+        self.cfg, self.manifest = cfg, manifest
+        self.slot_bytes = {L: e.layout.nbytes() for L, e in manifest.layers.items()}
+        self.groups: dict[tuple, list[int]] = {}
+        for L, entry in manifest.layers.items():
+            self.groups.setdefault(entry.layout.signature, []).append(L)
 
-    def lossy(L: int) -> list:
-        blobs = manifest.layers[L].blobs
-        return [blobs[p] for p in (cfg.cpu.precision, cfg.nvme.precision) if p in blobs and p != "bf16"]
+    def lossy(self, L: int) -> list:
+        blobs = self.manifest.layers[L].blobs
+        return [blobs[p] for p in (self.cfg.cpu.precision, self.cfg.nvme.precision) if p in blobs and p != "bf16"]
 
-    def transit(L: int) -> int:
-        return max((b.stride for b in lossy(L)), default=0)
+    def transit(self, L: int) -> int:
+        """Bytes of a transit row for layer ``L``: its largest lossy blob's stride (0: none lossy)."""
+        return max((b.stride for b in self.lossy(L)), default=0)
 
-    def largest(Ls: list[int]) -> int:
-        return max((b.nbytes for L in Ls for b in lossy(L)), default=0)
+    def largest(self, Ls: list[int]) -> int:
+        return max((b.nbytes for L in Ls for b in self.lossy(L)), default=0)
 
-    def rows(Ls: list[int], staging: int) -> int:
-        return transit_rows(staging, largest(Ls))
+    def rows(self, Ls: list[int], staging: int) -> int:
+        return transit_rows(staging, self.largest(Ls))
 
-    def reserve(n: int) -> int:
+    def reserve(self, n: int) -> int:
         """GPU bytes ``n`` staging slots per group take, with their transit rows."""
-        return sum(n * slot_bytes[Ls[0]] + rows(Ls, n) * transit(Ls[0]) for Ls in groups_by_sig.values())
+        return sum(n * self.slot_bytes[Ls[0]] + self.rows(Ls, n) * self.transit(Ls[0]) for Ls in self.groups.values())
 
-    if gpu_budget >= total_compute:
-        hot = list(order)
-        staging = dict.fromkeys(groups_by_sig, 0)
-    else:
-        n_staging = cfg.gpu.staging_slots
-        if n_staging == "auto":  # 2 x top-k (a decode call's misses fit half of them) or up to 4 x for a part's bytes, in at most half the budget
-            k = top_k(manifest)
-            moved = min(transit(Ls[0]) or slot_bytes[Ls[0]] for Ls in groups_by_sig.values())  # an expert's bytes up
-            n_staging = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
-            if all(largest(Ls) > STACK_BYTES for Ls in groups_by_sig.values()):  # transit rings: see AUTO_RING_PER_TOP_K
-                n_staging = max(n_staging, AUTO_RING_PER_TOP_K * k)
-            while n_staging > 1 and reserve(n_staging) > gpu_budget // 2:
-                n_staging -= 1
-        staging = dict.fromkeys(groups_by_sig, n_staging)
-        reserved = reserve(n_staging)
-        smallest = min(slot_bytes.values())
-        if gpu_budget < smallest:
-            raise ValueError(
-                f"{gpu_key}: {gpu_budget} bytes is smaller than one expert ({smallest} bytes at bf16); "
-                f"the gpu tier needs at least {reserved} bytes for {n_staging} staging slot(s)"
-            )
-        if gpu_budget < reserved:
-            raise ValueError(
-                f"{gpu_key}: {gpu_budget} bytes cannot hold the {n_staging} staging slot(s) misses need "
-                f"({reserved} bytes with transit buffers); raise it to at least {reserved} or lower tiers.gpu.staging_slots"
-            )
-        hot = _fill(order, slot_bytes, gpu_budget - reserved)
-    hot_set = set(hot)
-    rest = [k for k in order if k not in hot_set]
+    def auto_staging(self, budget: int) -> int:
+        """``staging_slots: auto``: 2 x top-k (a decode call's misses fit half of them), or up to 4 x
+        so that half of them carries AUTO_PART_BYTES up, at least AUTO_RING_PER_TOP_K x top-k where
+        every pool keeps a transit ring; in at most half the budget."""
+        k = top_k(self.manifest)
+        moved = min(self.transit(Ls[0]) or self.slot_bytes[Ls[0]] for Ls in self.groups.values())  # an expert's bytes up
+        n = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
+        if all(self.largest(Ls) > STACK_BYTES for Ls in self.groups.values()):  # transit rings: see AUTO_RING_PER_TOP_K
+            n = max(n, AUTO_RING_PER_TOP_K * k)
+        while n > 1 and self.reserve(n) > budget // 2:
+            n -= 1
+        return n
 
-    # -- cpu -----------------------------------------------------------------------------
+
+def _plan_gpu(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: str) -> tuple[list[ExpertKey], int]:
+    """The hot experts and the staging slots per pool under ``budget`` bytes of GPU memory."""
+    if budget >= sum(sizes.slot_bytes[k.layer] for k in order):
+        return list(order), 0  # every expert fits: no staging slot
+    n_staging = sizes.cfg.gpu.staging_slots
+    if n_staging == "auto":
+        n_staging = sizes.auto_staging(budget)
+    reserved = sizes.reserve(n_staging)
+    smallest = min(sizes.slot_bytes.values())
+    if budget < smallest:
+        raise ValueError(
+            f"{budget_key}: {budget} bytes is smaller than one expert ({smallest} bytes at bf16); "
+            f"the gpu tier needs at least {reserved} bytes for {n_staging} staging slot(s)"
+        )
+    if budget < reserved:
+        raise ValueError(
+            f"{budget_key}: {budget} bytes cannot hold the {n_staging} staging slot(s) misses need "
+            f"({reserved} bytes with transit buffers); raise it to at least {reserved} or lower tiers.gpu.staging_slots"
+        )
+    return _fill(order, sizes.slot_bytes, budget - reserved), n_staging
+
+
+def _plan_cpu(cfg: TiersConfig, manifest: Manifest, order: list[ExpertKey], rest: list[ExpertKey]) -> tuple[list[ExpertKey], int]:
+    """The warm experts among ``rest`` (in preference order) under the cpu tier's budget, and that budget."""
     csize = cfg.cpu.size
     cpu_key = "tiers.cpu.budget" if csize.budget is not None else "tiers.cpu.fraction"
     stride = {L: e.blobs[cfg.cpu.precision].stride if cfg.cpu.precision in e.blobs else 0 for L, e in manifest.layers.items()}
@@ -219,21 +222,35 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
         raise ValueError(
             f"{cpu_key}: {cpu_budget} bytes is smaller than one expert ({min(stride[k.layer] for k in rest)} bytes at {cfg.cpu.precision})"
         )
-    warm = _fill(rest, stride, cpu_budget)
+    return _fill(rest, stride, cpu_budget), cpu_budget
+
+
+def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, Sequence[float]] | None = None) -> Placement:
+    """The hot, warm and cold sets and the slot plan: experts taken in ``preference_order`` (by
+    ``routing``, when given) while each tier's budget holds."""
+    order = preference_order(manifest, routing)
+    sizes = _Sizes(cfg, manifest)
+    size = cfg.gpu.size
+    gpu_key = "tiers.gpu.budget" if size.budget is not None else "tiers.gpu.fraction"
+    gpu_budget = size.budget if size.budget is not None else int(size.fraction * sum(sizes.slot_bytes[k.layer] for k in order))
+    _check_precision(manifest, "tiers.gpu.precision", cfg.gpu.precision)
+    hot, n_staging = _plan_gpu(sizes, order, gpu_budget, gpu_key)
+    hot_set = set(hot)
+    rest = [k for k in order if k not in hot_set]
+    warm, cpu_budget = _plan_cpu(cfg, manifest, order, rest)
     warm_set = set(warm)
     cold = [k for k in rest if k not in warm_set]
     if cold:
         _check_precision(manifest, "tiers.nvme.precision", cfg.nvme.precision)
-
     groups = tuple(
         GroupPlan(
             layers=tuple(Ls),
-            slot_bytes=slot_bytes[Ls[0]],
-            transit_bytes=transit(Ls[0]) if staging[sig] else 0,
+            slot_bytes=sizes.slot_bytes[Ls[0]],
+            transit_bytes=sizes.transit(Ls[0]) if n_staging else 0,
             hot=sum(1 for k in hot if k.layer in Ls),
-            staging=staging[sig],
-            transit_rows=rows(Ls, staging[sig]),
+            staging=n_staging,
+            transit_rows=sizes.rows(Ls, n_staging),
         )
-        for sig, Ls in groups_by_sig.items()
+        for Ls in sizes.groups.values()
     )
     return Placement(tuple(sorted(hot)), tuple(sorted(warm)), tuple(sorted(cold)), groups, gpu_budget, cpu_budget)

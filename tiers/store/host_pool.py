@@ -130,13 +130,16 @@ class HostPool:
         # holds the mapping: it outlives the registration).
         self._unpin = weakref.finalize(self, _unregister, self.slab.data_ptr(), self._map) if self.pinned else None
         self.used = 0
+        self.parts: dict[str, int] = {}  # bytes allocated per part
 
-    def alloc(self, nbytes: int) -> int:
+    def alloc(self, nbytes: int, part: str) -> int:
+        """``nbytes`` (4 KiB aligned) for ``part`` (what they hold: counted in ``parts``); their offset."""
         offset = self.used
         end = offset + align(nbytes, BLOB_ALIGN)
         if end > self.capacity:
-            raise MemoryError(f"host pool full: {nbytes} bytes requested, {self.capacity - offset} of {self.capacity} left")
+            raise MemoryError(f"host pool full: {nbytes} bytes requested for {part}, {self.capacity - offset} of {self.capacity} left")
         self.used = end
+        self.parts[part] = self.parts.get(part, 0) + end - offset
         return offset
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:

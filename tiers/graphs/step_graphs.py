@@ -9,7 +9,7 @@ Why: batch-1 decode at these sizes is bound by the host launching kernels one by
 Python, not by the device. On the H200, untiered and all on the GPU, a 12-layer Qwen3-30B-A3B
 decode step took 19-22 ms op by op and 3.0 ms replayed as one graph; an 8-layer Mixtral-8x7B one
 8.7-12.6 ms and 3.8 ms (``bench/step_graph_probe.py``, ``bench/results/step_graph_probe.json``).
-Tiers' per-layer decode graphs (``tiers.graphs``) replay only the experts calls.
+Tiers' per-layer decode graphs (``tiers.graphs.graph_cache``) replay only the experts calls.
 
 How a step runs:
 
@@ -18,10 +18,10 @@ How a step runs:
   25.4 in the same probe).
 - At a decode step that qualifies, the positions generate's cache holds beyond the static
   cache's are copied in, the manager does every layer's host work for the token
-  (``TierManager.begin_step``: the rebalancer's token, the calls' counts), and the graph runs
+  (``Manager.begin_step``: the rebalancer's token, the calls' counts), and the graph runs
   with the token and its position copied into its static inputs. Inside it the experts calls do
   only device work: all-hot layers' batched forward, direct calls' fetch and forward
-  (``tiers.direct``), their own decode graphs run inline.
+  (``tiers.paths.direct``), their own decode graphs run inline.
 - Before a step runs op by op (a layer fell off direct decode, say) and when the decode stage
   ends, generate's cache gets the positions the graph wrote; what ``generate`` returns with
   ``return_dict_in_generate`` holds every position.
@@ -44,7 +44,7 @@ the step captures anew.
 Invariants: the static cache's first ``static_len`` positions are the sequence's (those of
 generate's cache, and those the graph wrote after them); generate's cache is complete whenever
 anything but a graph step reads it; a graph is replayed only with the tensors it captured
-(``tiers.graphs``: the static cache and the slot caches of the stage are its bound tensors).
+(``tiers.graphs.graph_cache``: the static cache and the slot caches of the stage are its bound tensors).
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ from typing import Any, Callable
 
 import torch
 
-from tiers.graphs import DecodeGraphs
+from tiers.graphs.graph_cache import GraphCache
 
 # what generate passes a decode step (transformers 5.x spells the cache either way)
 _PASSED = {"input_ids", "attention_mask", "position_ids", "past_key_values", "cache", "cache_position", "use_cache",
@@ -81,7 +81,7 @@ class StepGraphs:
         self.top_k = getattr(text, "num_experts_per_tok", None)
         self.enabled = enabled and self.top_k is not None
         self._graph = graph
-        self.graphs = DecodeGraphs(manager.device, self.enabled, graph=graph)  # one per cache size and hooks (``_renew``)
+        self.graphs = GraphCache(manager.device, self.enabled, graph=graph)  # one per cache size and hooks (``_renew``)
         self._retired = Counter()  # the counts of the graphs left behind
         self.cache: Any = None  # the static cache (transformers' StaticCache), kept across generates
         self.kv: list[torch.Tensor] = []  # its keys and values, layer by layer: what a step graph binds of it
@@ -97,7 +97,7 @@ class StepGraphs:
 
     # -- the forward ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        if not (self.enabled and self.mgr.decoding):
+        if not (self.enabled and self.mgr.phase.decoding):
             return self._own(*args, **kwargs)
         why = self._why_not(args, kwargs)
         if why is None:
@@ -177,9 +177,9 @@ class StepGraphs:
         """The step a graph captures: the model's forward on the static cache, its experts calls
         doing only their device work."""
         mgr = self.mgr
-        mgr.in_step = True
+        mgr.phase.in_step = True
         try:
-            with mgr.graphs.inlined(), torch.no_grad():
+            with mgr.decode_graphs.inlined(), torch.no_grad():
                 for layer in self.cache.layers:  # a cache that counts its own length (newer transformers)
                     length = getattr(layer, "cumulative_length", None)
                     if isinstance(length, torch.Tensor):
@@ -191,7 +191,7 @@ class StepGraphs:
                     kw["logits_to_keep"] = 1
                 return self.forward(input_ids=ids, **kw).logits
         finally:
-            mgr.in_step = False
+            mgr.phase.in_step = False
 
     # -- the two caches -----------------------------------------------------------------------
     def _fit(self, positions: int, dyn: Any) -> None:
@@ -222,7 +222,7 @@ class StepGraphs:
         """Drop the graphs (a new cache size, other hooks): new ones get a new pool, the old
         graphs go with their own (a CUDA graph pool whose graphs are all gone cannot take a capture)."""
         self._retired.update(self.graphs.counts())
-        self.graphs = DecodeGraphs(self.mgr.device, self.graphs.enabled, graph=self._graph)
+        self.graphs = GraphCache(self.mgr.device, self.graphs.enabled, graph=self._graph)
 
     def _copy_in(self, dyn: Any, start: int, end: int) -> None:
         """Positions [start, end) of generate's cache into the static one."""
@@ -312,7 +312,7 @@ def _plain_dynamic(cache: Any) -> bool:
 def install(model: torch.nn.Module, manager: Any, graph: Callable[[], Any] | None = None) -> StepGraphs:
     """Put a ``StepGraphs`` in place of ``model.forward`` (generate reads the forward's signature,
     which the wrapper keeps) and give it to ``manager`` (``manager.steps``: its stage and stats).
-    ``graph``: what a graph is (default: a CUDA graph on CUDA, ``tiers.graphs.HostGraph`` elsewhere)."""
+    ``graph``: what a graph is (default: a CUDA graph on CUDA, ``tiers.graphs.graph_cache.HostGraph`` elsewhere)."""
     steps = StepGraphs(model, manager, True, graph=graph)
     manager.steps = steps
 

@@ -1,6 +1,6 @@
-"""Decode graphs: a decode step's experts work replayed as captured CUDA graphs.
+"""Graph cache: a call's device work replayed as a captured CUDA graph where its tensors recur.
 
-Owns: ``DecodeGraphs``, a cache of graphs keyed by what a call runs (its layer, its part, the
+Owns: ``GraphCache``, a cache of graphs keyed by what a call runs (its layer, its part, the
 shapes and dtypes of its inputs) and checked against the tensors it was captured with.
 
 Why: batch-1 decode is bound by the host. transformers' batched_mm experts forward is about
@@ -8,11 +8,11 @@ ten kernels, each launched from Python, and a direct decode call adds the fetch'
 H200 machine a 12-layer Qwen3 token spent 1.7-4.1 ms more than the all-GPU model in every
 offloaded arm, whatever it moved (``bench/results/bench-qwen3_moe-run29.md``). A graph replays
 the same kernels with one launch from the host. The slabs never move and the direct tables
-are rewritten in place (``tiers.direct``), so the addresses a graph holds stay valid.
+are rewritten in place (``tiers.paths.direct``), so the addresses a graph holds stay valid.
 
-A second cache, ``TierManager.whole_graphs`` (``tiers.gpu.prefill_graphs``), replays a whole-layer prefill
+A second cache, ``Manager.prefill_graphs``, replays a whole-layer prefill
 call's plan and each of its windows' kernels the same way, where a call's shapes and slots
-recur (``tiers.integration._grouped_whole``).
+recur (``tiers.paths.whole``).
 
 Contract: ``run(key, bound, step, inputs)`` returns what ``step(*inputs)`` returns (a tensor or
 a tuple of tensors, possibly one of its inputs as it is). ``step``
@@ -129,7 +129,7 @@ class _Entry:
     kept: list = field(default_factory=list)  # the bound tensors themselves, alive as long as the graph
 
 
-class DecodeGraphs:
+class GraphCache:
     """The graphs of one tier manager. ``enabled`` False: every call runs eagerly."""
 
     MAX_GRAPHS = 512  # keys kept at most (a decode's shapes are few; beyond this, the oldest go)
@@ -145,7 +145,7 @@ class DecodeGraphs:
         self._new_graph = graph
         self._entries: dict[Hashable, _Entry] = {}
         self.captured = self.replayed = self.eager_calls = self.failed = 0
-        self.inline = False  # inside a step graph (``tiers.step_graph``): every call runs its step, which that graph captures
+        self.inline = False  # inside a step graph (``tiers.graphs.step_graphs``): every call runs its step, which that graph captures
 
     @contextlib.contextmanager
     def inlined(self):

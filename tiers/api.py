@@ -1,0 +1,171 @@
+"""The public API: ``load`` a packed checkpoint as a transformers model served from the tiers, and read what they hold.
+
+Owns building the model on meta from ``config.json``, loading the dense weights, making the
+manager, binding each experts module to it and selecting the ``tiers`` experts implementation;
+and ``stats``, ``manifest``, ``routing_counts``, ``save_routing`` over a loaded model.
+Every check that can fail for a user's input runs here, before the first forward.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+
+from tiers import hf, report
+from tiers.config import TiersConfig, load_config
+from tiers.graphs import step_graphs
+from tiers.loader.layout import discover_layout, find_experts_modules, unservable
+from tiers.loader.packed import Manifest, file_crc32, read_manifest
+from tiers.loader.routing import read_routing, routing_document, write_routing
+from tiers.loader.skeleton import build_skeleton
+from tiers.manager import Manager
+from tiers.policy.placement import plan_placement
+from tiers.stats import TierStats
+from tiers.store.disk_store import IntegrityError
+from tiers.transfer.streams import Streams
+
+_MANAGER_ATTR = "_tiers_manager"
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a device ({e}); expected 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device: expected cuda or cpu, got {device}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {str(device)!r} asked for, but this torch sees no CUDA device "
+                             f"(torch {torch.__version__}, torch.cuda.is_available() is False); load with device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {str(device)!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def _load_dense(model: torch.nn.Module, manifest: Manifest, expert_params: set[str], device: torch.device) -> None:
+    expected = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in expert_params}
+    loaded: dict[str, torch.Tensor] = {}
+    for fname, info in manifest.dense_files.items():
+        path = manifest.root / fname
+        if not path.is_file():
+            raise IntegrityError(f"dense weights file {str(path)!r} is missing")
+        if path.stat().st_size != info["nbytes"] or file_crc32(path) != info["crc32"]:
+            raise IntegrityError(f"dense weights file {str(path)!r} is corrupt or truncated (size or crc32 differs from the manifest); re-pack")
+        with safe_open(path, framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key not in expected:
+                    raise ValueError(f"{str(path)!r}: tensor {key!r} is not a weight of this model")
+                t = f.get_tensor(key)
+                ref = expected[key]
+                if tuple(t.shape) != tuple(ref.shape):
+                    raise ValueError(f"{str(path)!r}: {key!r} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
+                loaded[key] = t.to(ref.dtype)
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in expert_params]
+    if still_meta:
+        raise ValueError(f"packed checkpoint {str(manifest.root)!r} lacks dense weights {still_meta[:8]}")
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)
+
+
+def _experts(model: PreTrainedModel, manifest: Manifest) -> dict[int, tuple[str, torch.nn.Module]]:
+    """The model's experts modules, checked against the manifest and against what Tiers can serve."""
+    modules = find_experts_modules(model)
+    if sorted(modules) != sorted(manifest.layers):
+        raise ValueError(f"{str(manifest.root)!r}: manifest MoE layers {sorted(manifest.layers)} differ from the model's {sorted(modules)}")
+    for layer, (name, mod) in modules.items():
+        why = unservable(mod)
+        if why is not None:
+            raise ValueError(f"{str(manifest.root)!r}: {model.config.model_type} ({type(mod).__name__}): {why}")
+        entry = manifest.layers[layer]
+        if discover_layout(mod) != entry.layout or name != entry.module:
+            raise ValueError(f"{str(manifest.root)!r}: layer {layer} ({name}) does not match the packed layout; re-pack")
+    return modules
+
+
+def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None, *, device: str | torch.device | None = None,
+         verify: str = "first", progress: bool = True, streams: Streams | None = None, routing: str | Path | dict | None = None) -> PreTrainedModel:
+    """Load a packed checkpoint as a transformers model whose experts are served from the tiers.
+
+    ``config`` is a YAML path, a parsed dict, a ``TiersConfig`` or None (defaults: gpu 25%, cpu 50%
+    as int8, the rest int8 on disk). ``device`` defaults to cuda when available. ``routing``: a
+    routing file written by ``save_routing`` (or its parsed document); the hot and warm sets then
+    start as the experts it counts most. Without one, the checkpoint's routing prior ranks them if
+    it has one (``tools/pack.py --routing``), else round-robin over layers. ``progress``: the
+    loading bar and one summary line per tier, on stderr.
+    """
+    cfg = load_config(config)
+    manifest = read_manifest(path)
+    dev = _resolve_device(device)
+    placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
+    if not (manifest.root / "config.json").is_file():
+        raise ValueError(f"packed checkpoint {str(manifest.root)!r} has no config.json; re-pack it from a save_pretrained directory")
+    model = build_skeleton(AutoConfig.from_pretrained(manifest.root), dtype=torch.bfloat16)
+    modules = _experts(model, manifest)
+    expert_params = {f"{name}.{t.name}" for layer, (name, _) in modules.items() for t in manifest.layers[layer].layout.tensors}
+    _load_dense(model, manifest, expert_params, dev)
+    manager = Manager(manifest, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
+    for layer, (_, mod) in modules.items():
+        mod._tiers_binding = hf.Binding(layer, manager)
+    hf.register()
+    model.set_experts_implementation(hf.IMPLEMENTATION)
+    if cfg.gpu.graphs and dev.type == "cuda":
+        step_graphs.install(model, manager)
+    hf.follow_decode_switch(model, manager)
+    if (manifest.root / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(manifest.root)
+    setattr(model, _MANAGER_ATTR, manager)
+    if progress:
+        print("\n".join(f"tiers: {line}" for line in report.summary(manager)), file=sys.stderr)
+    return model.eval()
+
+
+def manager_of(model: torch.nn.Module) -> Manager:
+    m = getattr(model, _MANAGER_ATTR, None)
+    if m is None:
+        raise ValueError("this model was not loaded with tiers.load")
+    return m
+
+
+def stats(model: torch.nn.Module) -> TierStats:
+    """Hits and misses per tier, bytes moved per source tier, copy and stall time, residency."""
+    return report.stats(manager_of(model))
+
+
+def manifest(model: torch.nn.Module) -> dict:
+    """The runtime manifest: per expert its tier, slot, precision and bytes; per pool its slots'
+    shape, stride, dtype, count and states; the host slab's layout; memory outside the budget.
+    Plain data, JSON-serializable (``tools/inspect.py`` prints it)."""
+    return report.manifest(manager_of(model))
+
+
+def routing_counts(model: torch.nn.Module) -> dict:
+    """The routing the rebalancer has counted (its window: the last ``window`` x ``every_tokens``
+    tokens), as a routing document for ``save_routing`` or ``load(..., routing=)``. Routing is
+    counted only with the rebalancer on (``tiers.rebalance.every_tokens`` > 0)."""
+    manager = manager_of(model)
+    if manager.rebalancer is None:
+        raise ValueError("routing_counts: this model counts no routing; load it with tiers.rebalance.every_tokens > 0 "
+                         "(and a gpu budget below every expert's bytes) to count it")
+    manager.settle()  # whole-layer calls not yet counted count now
+    counts, tokens = manager.rebalancer.routing_counts()
+    return routing_document(counts, tokens)
+
+
+def save_routing(model: torch.nn.Module, path: str | Path) -> Path:
+    """Write the routing the model has counted (``routing_counts``) to ``path`` as JSON, so that a
+    later ``load(..., routing=path)`` starts with the hot and warm sets it would have settled on.
+    The file is replaced whole or not at all."""
+    return write_routing(routing_counts(model), path)
