@@ -85,7 +85,7 @@ def where_differ(a: torch.Tensor, b: torch.Tensor) -> str:
 
 def test_bf16_tiers_are_bit_identical_to_transformers(packed, ids, ref_logits):
     model = load(packed, BF16_TIERS)
-    assert model.config._experts_implementation == "tiers_grouped"
+    assert model.config._experts_implementation == "tiers"
     logits = logits_of(model, ids)
     assert_every_tier_served(model)
     assert logits.shape == ref_logits.shape

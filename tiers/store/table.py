@@ -77,6 +77,7 @@ class SlotView:
     readers: int
     hot: bool
     reserved: str | None
+    writing: bool  # a write is queued that no reader has been ordered after yet
 
 
 Pending = tuple[Any, Any, int]  # a pending write: (ready event, the stream it was recorded on, record order)
@@ -173,7 +174,7 @@ class Table:
 
     def slot(self, pool: int, slot: int) -> SlotView:
         p = self._pools[pool]
-        return SlotView(pool, slot, p.occupant[slot], self.state(pool, slot), p.readers[slot], p.hot[slot], p.reserved[slot])
+        return SlotView(pool, slot, p.occupant[slot], self.state(pool, slot), p.readers[slot], p.hot[slot], p.reserved[slot], p.writing[slot])
 
     def counts(self) -> dict[str, int]:
         out = {h.value: 0 for h in Home}
@@ -298,6 +299,9 @@ class Table:
             raise IllegalTransition(f"take_ready: slot {slot} of pool {pool} ({p.occupant[slot]}) is not held")
         pending = p.ready[slot]
         if pending is None:
+            if p.writing[slot]:
+                raise IllegalTransition(f"take_ready: slot {slot} of pool {pool} ({p.occupant[slot]}) has a write queued without its "
+                                        "ready event yet (waited on inside the batch that queues it)")
             return None
         p.ready[slot] = None
         p.writing[slot] = False
