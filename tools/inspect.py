@@ -1,7 +1,8 @@
-"""tiers-inspect: summarize a packed checkpoint's manifest, or print a saved stats JSON.
+"""tiers-inspect: summarize a packed checkpoint's manifest, or print a saved runtime manifest or stats JSON.
 
     python tools/inspect.py PACKED_DIR [--json]
-    python tools/inspect.py stats.json
+    python tools/inspect.py manifest.json      # json.dump(tiers.manifest(model), ...)
+    python tools/inspect.py stats.json         # json.dump(tiers.stats(model).as_dict(), ...)
 """
 import os
 import sys
@@ -37,15 +38,43 @@ def describe(path: str) -> dict:
     return out
 
 
+def runtime_table(doc: dict) -> str:
+    """A runtime manifest (``tiers.manifest``) as text: the summary, each pool's slots, the tiers' experts."""
+    lines = list(doc.get("summary", []))
+    for p in doc["pools"]:
+        states: dict[str, int] = {}
+        for s in p["slots"]:
+            states[s["state"]] = states.get(s["state"], 0) + 1
+        shapes = ", ".join(f"{t['name']} {tuple(t['shape'])}" for t in p["tensors"])
+        lines.append(f"pool {p['index']}: layers {p['layers'][0]}-{p['layers'][-1]}, {p['count']} slots ({p['hot']} hot, {p['staging']} staging) "
+                     f"of {p['slot_bytes'] / 2**20:.2f} MiB {p['dtype']} [{shapes}]; states: "
+                     + ", ".join(f"{n} {k}" for k, n in sorted(states.items())))
+    tiers: dict[str, list] = {}
+    for e in doc["experts"]:
+        tiers.setdefault(e["tier"], []).append(e)
+    for tier in ("gpu", "cpu", "nvme"):
+        es = tiers.get(tier, [])
+        precisions = sorted({e["precision"] for e in es})
+        lines.append(f"{tier}: {len(es)} experts, {sum(e['bytes'] for e in es) / 2**20:.1f} MiB ({', '.join(precisions) or '-'})")
+    host, gpu = doc["host"], doc["gpu"]
+    lines.append(f"host slab: {host['capacity'] / 2**20:.1f} MiB, " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in host.items()
+                                                                           if k not in ("capacity", "used", "pinned", "budget")))
+    lines.append("gpu outside the budget: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in gpu["outside_budget"].items()))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tiers-inspect", description=__doc__.splitlines()[0])
-    ap.add_argument("target", help="a packed directory, or a JSON file written from tiers.stats(model).as_dict()")
+    ap.add_argument("target", help="a packed directory, or a JSON file written from tiers.manifest(model) or tiers.stats(model).as_dict()")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = ap.parse_args(argv)
     target = Path(args.target)
     try:
         if target.is_file():
             d = json.loads(target.read_text())
+            if "pools" in d and "experts" in d:
+                print(json.dumps(d, indent=1) if args.json else runtime_table(d))
+                return 0
             print(json.dumps(d, indent=1) if args.json else TierStats(**{k: d[k] for k in (
                 "residency", "hits", "misses", "bytes_moved", "stage_seconds", "stall_seconds", "gpu_slots", "memory", "device")}))
             return 0
