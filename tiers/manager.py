@@ -119,6 +119,7 @@ class Manager:
         self.held = HeldPath(self)
         self.streamed = StreamedPath(self)
         self.whole = WholePath(self, self.streamed)
+        self.layer_keys = {L: [ExpertKey(L, e) for e in range(entry.layout.num_experts)] for L, entry in manifest.layers.items()}
         self.first_layer = min((L for L in manifest.layers if not self.resident.qualifies(L)), default=None)
 
     # -- building --------------------------------------------------------------------------------
@@ -196,8 +197,9 @@ class Manager:
         room = self.direct.room(pool) if phase.decoding else sum(1 for s in pool.staging if not self.table.reserved(pool.index, s))
         cold, misses = False, 0
         if whole:  # only a whole-layer call reads these: a scan of the layer's experts
-            for e in range(self.manifest.layers[layer].layout.num_experts):
-                r = self.table[ExpertKey(layer, e)]
+            table = self.table
+            for key in self.layer_keys[layer]:
+                r = table[key]
                 if r.slot is None:
                     misses += 1
                     cold = cold or r.home is Home.NVME

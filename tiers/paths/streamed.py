@@ -200,20 +200,17 @@ class StreamedPath:
             if not (warm and staging.write_part(pool, blob, [f[4] for f in fetched], [f[3] for f in fetched])):
                 for key, precision, source, src, slot in fetched:
                     staging.write(key, pool, slot, precision, source, src, direct_ok=False)
-        for _, slot in reads:
-            table.hold(pool.index, slot)
+        table.hold_many(pool.index, [slot for _, slot in reads])
 
     def wait_part(self, s: Stream, p: int) -> None:
         """Order the compute stream after part ``p``'s reads; call before its first kernel."""
-        table = self.mgr.table
-        self.mgr.slots.wait_pending([w for w in (table.take_ready(s.pool.index, slot) for slot in s.part_slots[p]) if w is not None])
+        self.mgr.slots.wait_pending(self.mgr.table.take_ready_many(s.pool.index, s.part_slots[p]))
 
     def end_part(self, s: Stream, p: int) -> None:
         """Part ``p``'s kernels are queued: its buffer may be read into again after them."""
         ev = self.mgr.streams.event()
         ev.record(self.mgr.streams.current())
-        for slot in s.part_slots[p]:
-            self.mgr.table.release(s.pool.index, slot, ev)
+        self.mgr.table.release_many(s.pool.index, s.part_slots[p], ev)
         s.freed[p % len(s.buffers)] = [ev]
         s.ended = p + 1
 
@@ -224,11 +221,10 @@ class StreamedPath:
         mgr, table, pi = self.mgr, self.mgr.table, s.pool.index
         if s.ended < len(s.parts):
             held = [slot for slot in {x for p in range(s.ended, len(s.parts)) for x in s.part_slots[p]} if table.readers(pi)[slot]]
-            mgr.slots.wait_pending([w for w in (table.take_ready(pi, slot) for slot in held) if w is not None])
+            mgr.slots.wait_pending(table.take_ready_many(pi, held))
             ev = mgr.streams.event()
             ev.record(mgr.streams.current())
-            for slot in held:
-                table.release(pi, slot, ev)
+            table.release_many(pi, held, ev)
             s.freed = [[ev] for _ in s.buffers]
         for i, b in enumerate(s.buffers):
             ev = s.freed[i][0] if s.freed[i] and (i < len(s.parts) or s.ended < len(s.parts)) else None

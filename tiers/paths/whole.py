@@ -230,7 +230,7 @@ class WholePath:
         routing, the hits; and the experts read that no row was routed to."""
         mgr, w, layer = self.mgr, s.whole, s.layer
         used = sorted(e for e, n in zip(w.experts, w.rows.tolist()) if n > 0)
-        mgr.count_call(layer, used, w.tokens)
+        mgr.count_call(layer, used, w.tokens, prefill=True)
         self.note_share(layer, used, w.tokens, w.top_k)
         cache, read, stats = mgr.caches[s.pool.index], set(w.read), mgr.stats_
         for e in used:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,9 +56,9 @@ class IllegalTransition(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class Residency:
-    """Where one expert lives: its home tier, its host place (home cpu), its slot (in its layer's pool), hot."""
+class Residency(NamedTuple):
+    """Where one expert lives: its home tier, its host place (home cpu), its slot (in its layer's
+    pool), hot. Immutable (a tuple: made in C on every staged expert)."""
 
     home: Home
     host_offset: int | None = None
@@ -219,14 +219,14 @@ class Table:
         self._set(key, Residency(Home.NVME, None, r.slot, False))
 
     # -- slots -------------------------------------------------------------------------------
-    def _slot_of(self, key: ExpertKey) -> tuple[_Pool, int]:
-        return self._pools[self.pool_of[key.layer]], self._experts[key].slot
-
-    def _free_for_write(self, what: str, pool: int, slot: int, by: str | None = None) -> _Pool:
+    def _free_for_write(self, what: str, pool: int, slot: int, by: str | None = None, about: object = "") -> _Pool:
+        """The slot's pool, when no reader holds the slot and ``by`` is its reservation (None: none);
+        else ``IllegalTransition`` naming the transition ``what`` (of ``about``) and the slot."""
         p = self._pools[pool]
-        if p.readers[slot]:
-            raise IllegalTransition(f"{what}: slot {slot} of pool {pool} ({p.occupant[slot]}) is held by {p.readers[slot]} reader(s)")
-        if p.reserved[slot] != by:
+        if p.readers[slot] or p.reserved[slot] != by:
+            what = f"{what} {about}".rstrip()
+            if p.readers[slot]:
+                raise IllegalTransition(f"{what}: slot {slot} of pool {pool} ({p.occupant[slot]}) is held by {p.readers[slot]} reader(s)")
             held_by = f"reserved by {p.reserved[slot]}" if p.reserved[slot] else "not reserved"
             raise IllegalTransition(f"{what}: slot {slot} of pool {pool} is {held_by}")
         return p
@@ -264,11 +264,12 @@ class Table:
             raise IllegalTransition(f"stage {key}: it is in slot {r.slot} already")
         if self.pool_of[key.layer] != pool:
             raise IllegalTransition(f"stage {key}: pool {pool} is not its layer's")
-        p = self._free_for_write(f"stage {key}", pool, slot, by)
+        p = self._free_for_write("stage", pool, slot, by, key)
         if p.hot[slot]:
             raise IllegalTransition(f"stage {key}: slot {slot} of pool {pool} is hot ({p.occupant[slot]})")
         old = p.occupant[slot]
-        self._empty(p, slot)
+        if old is not None or p.ready[slot] is not None:
+            self._empty(p, slot)
         p.occupant[slot], p.writing[slot] = key, True
         self._experts[key] = Residency(r.home, r.host_offset, slot, False)
         return old
@@ -318,6 +319,30 @@ class Table:
         if last_read is not None:
             p.last_read[slot] = last_read
 
+    # -- hold, take_ready and release over many slots of one pool, in one call (a streamed part's) -------
+    def hold_many(self, pool: int, slots: list[int]) -> None:
+        p = self._pools[pool]
+        for slot in slots:
+            if p.occupant[slot] is None and not p.reserved[slot]:
+                raise IllegalTransition(f"hold: slot {slot} of pool {pool} is free")
+        for slot in slots:
+            p.readers[slot] += 1
+
+    def take_ready_many(self, pool: int, slots: list[int]) -> list[Pending]:
+        """``take_ready`` of each slot: the pending writes there were (Nones left out)."""
+        take = self.take_ready
+        return [w for w in (take(pool, slot) for slot in slots) if w is not None]
+
+    def release_many(self, pool: int, slots: list[int], last_read: Any | None) -> None:
+        p = self._pools[pool]
+        for slot in slots:
+            if not p.readers[slot]:
+                raise IllegalTransition(f"release: slot {slot} of pool {pool} is released more often than held")
+        for slot in slots:
+            p.readers[slot] -= 1
+            if last_read is not None:
+                p.last_read[slot] = last_read
+
     def evict(self, pool: int, slot: int, by: str | None = None) -> ExpertKey | None:
         """An unheld staging slot is emptied (its occupant, returned, leaves the GPU); a reserved
         one only by its reserver ``by``."""
@@ -331,7 +356,7 @@ class Table:
     def reserve(self, pool: int, slot: int, by: str, *, keep: bool = False) -> ExpertKey | None:
         """A path takes an unheld staging slot out of the cache: its occupant, returned, leaves,
         or (``keep``) stays, for the path to use where it is."""
-        p = self._free_for_write(f"reserve by {by}", pool, slot)
+        p = self._free_for_write("reserve by", pool, slot, None, by)
         if p.hot[slot]:
             raise IllegalTransition(f"reserve by {by}: slot {slot} of pool {pool} is hot")
         old = p.occupant[slot]
@@ -357,7 +382,7 @@ class Table:
     def swap_hot(self, new: ExpertKey, pool: int, slot: int) -> ExpertKey:
         """The rebalancer gives hot ``slot``'s expert's place to ``new`` (in no slot): the old one,
         returned, lives on disk; ``new`` is hot there, its copy about to be queued."""
-        p = self._free_for_write(f"swap_hot {new}", pool, slot)
+        p = self._free_for_write("swap_hot", pool, slot, None, new)
         old, r = p.occupant[slot], self._experts[new]
         if not p.hot[slot] or old is None:
             raise IllegalTransition(f"swap_hot {new}: slot {slot} of pool {pool} is not a hot slot")
