@@ -248,7 +248,7 @@ class Manager:
         pool = self.pool_of[layer]
         ek = [ExpertKey(layer, e) for e in keys]
         self.caches[pool.index].visit(layer, ek)
-        if self.phase.decoding:
+        if not prefill:  # a whole-layer call counted at a decode token's start is still a prefill's
             self.direct.note_call(pool)
         if self.rebalancer is not None:
             if prefill and layer == self.first_layer:
