@@ -1,4 +1,7 @@
-"""tiers.config: YAML -> TiersConfig, with every bad field a ValueError naming its dotted key."""
+"""tiers.config: YAML -> TiersConfig, with every bad field a ValueError naming its dotted key.
+
+The schema is twelve keys (``tiers.config.KEYS``); every key the old core read and the new one
+dropped (A/B switches now constants, removed features) is refused as unknown, naming the allowed keys."""
 from __future__ import annotations
 
 import math
@@ -11,9 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tiers.config import (
+    KEYS,
     CpuTier,
     GpuTier,
     NvmeTier,
+    Rebalance,
     TiersConfig,
     TierSize,
     load_config,
@@ -119,6 +124,27 @@ bad_precision = st.one_of(
     st.floats(allow_nan=False),
     st.lists(st.sampled_from(PRECISIONS), max_size=2),
 )
+bad_flag = st.one_of(  # true/false only: YAML's yes/on are bools already; 1, "true" and None are not
+    st.none(),
+    st.integers(),
+    st.floats(),
+    st.text(max_size=8),
+    st.lists(st.booleans(), max_size=2),
+)
+# tiers.rebalance's integers: (lo, hi) as documented in tiers/config.py
+REBALANCE_RANGES = {"every_tokens": (0, 1 << 30), "window": (1, 1024), "max_moves": (1, 1 << 20)}
+
+
+def bad_int(lo: int, hi: int):
+    return st.one_of(
+        st.booleans(),  # True would otherwise be 1
+        st.none(),
+        st.integers(max_value=lo - 1),
+        st.integers(min_value=hi + 1, max_value=hi + 2**70),
+        st.floats(),  # 8.0 included: counted, not measured
+        st.text(max_size=8),
+        st.lists(_scalars, max_size=3),
+    )
 
 
 # -- every field fuzzed -------------------------------------------------------------------------
@@ -161,14 +187,78 @@ def test_bad_precision_names_key_and_allowed(key, value):
     assert str(list(PRECISIONS)) in msg  # what is allowed
 
 
+@FUZZ
+@given(value=bad_flag)
+def test_bad_graphs_flag_names_key_and_value(value):
+    with raises_for("tiers.gpu.graphs") as ei:
+        parse_config(at("tiers.gpu.graphs", value))
+    assert repr(value) in str(ei.value) and "true or false" in str(ei.value)
+
+
+@pytest.mark.parametrize("name", list(REBALANCE_RANGES))
+@FUZZ
+@given(data=st.data())
+def test_bad_rebalance_int_names_key_value_and_range(name, data):
+    lo, hi = REBALANCE_RANGES[name]
+    value = data.draw(bad_int(lo, hi))
+    with raises_for(f"tiers.rebalance.{name}") as ei:
+        parse_config(at(f"tiers.rebalance.{name}", value))
+    assert repr(value) in str(ei.value) and f"[{lo}, {hi}]" in str(ei.value)
+
+
 _ALLOWED = {
     "config": {"tiers"},
     "tiers": {"gpu", "cpu", "nvme", "rebalance"},
-    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "cache", "lfu_decay", "compute", "prefetch_depth", "decode_graphs", "prefill_graphs", "step_graphs"},
-    "tiers.cpu": {"fraction", "budget", "precision", "direct_reads", "compute", "compute_threads"},
-    "tiers.nvme": {"precision", "reader_threads", "direct_io"},
-    "tiers.rebalance": {"every_tokens", "window", "max_moves", "margin", "significance", "across_layers"},
+    "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "graphs"},
+    "tiers.cpu": {"fraction", "budget", "precision"},
+    "tiers.nvme": {"precision"},
+    "tiers.rebalance": {"every_tokens", "window", "max_moves"},
 }
+# Keys the old core read and the new one refuses: A/B switches with a measured winner (now constants),
+# the three graph switches (now ``graphs``), and removed features (host compute, the eager kernels,
+# lookahead prefetch, the lru/lfu/forecast cache policies). 15 in all.
+REMOVED = [
+    "tiers.gpu.cache", "tiers.gpu.lfu_decay", "tiers.gpu.compute", "tiers.gpu.prefetch_depth",
+    "tiers.gpu.decode_graphs", "tiers.gpu.prefill_graphs", "tiers.gpu.step_graphs",
+    "tiers.cpu.direct_reads", "tiers.cpu.compute", "tiers.cpu.compute_threads",
+    "tiers.nvme.reader_threads", "tiers.nvme.direct_io",
+    "tiers.rebalance.margin", "tiers.rebalance.significance", "tiers.rebalance.across_layers",
+]
+# A value each removed key took in the old schema, so only the key itself can be what is refused.
+OLD_VALUES = {"cache": "markov", "lfu_decay": 0.9, "compute": "grouped", "prefetch_depth": 1, "decode_graphs": True,
+              "prefill_graphs": True, "step_graphs": False, "direct_reads": True, "compute_threads": 4, "reader_threads": 2,
+              "direct_io": False, "margin": 0.25, "significance": 3.0, "across_layers": False}
+
+
+def test_the_schema_is_the_twelve_documented_keys():
+    """At most 15 keys in all (the schema was 34 before the rewrite); exactly the twelve documented ones,
+    and the parser accepts exactly what KEYS lists."""
+    assert sum(len(v) for v in KEYS.values()) <= 15
+    assert {f"tiers.{t}": set(v) for t, v in KEYS.items()} == {k: v for k, v in _ALLOWED.items() if k.startswith("tiers.")}
+    assert sum(len(v) for v in KEYS.values()) == 12
+    assert all(len(set(v)) == len(v) for v in KEYS.values())
+
+
+@pytest.mark.parametrize("dotted", REMOVED)
+def test_a_removed_key_is_refused_as_unknown(dotted):
+    """Each of them given alone, with a value the old schema accepted, and beside valid keys."""
+    section, name = dotted.rsplit(".", 1)
+    allowed = str(sorted(_ALLOWED[section]))
+    for doc in (at(dotted, OLD_VALUES[name]), at(section, {"precision": "int8", name: OLD_VALUES[name]} if section != "tiers.rebalance"
+                                                       else {"every_tokens": 8, name: OLD_VALUES[name]})):
+        with pytest.raises(ValueError) as ei:
+            parse_config(doc)
+        assert str(ei.value) == f"{dotted}: unknown key; allowed: {allowed}"
+        assert name not in _ALLOWED[section]
+
+
+def test_removed_keys_are_refused_from_a_yaml_file(tmp_path):
+    """An old config file that names any of them fails to load, naming the first it finds."""
+    path = tmp_path / "old.yaml"
+    path.write_text("tiers:\n  gpu: {fraction: 0.25, decode_graphs: true}\n  rebalance: {every_tokens: 8, margin: 0.5}\n")
+    with raises_for("tiers.gpu.decode_graphs") as ei:
+        load_config(path)
+    assert "unknown key" in str(ei.value) and str(sorted(_ALLOWED["tiers.gpu"])) in str(ei.value)
 
 
 @pytest.mark.parametrize("section", list(_ALLOWED))
@@ -183,7 +273,7 @@ def test_unknown_key_names_dotted_key(section, name, value):
     assert str(sorted(_ALLOWED[section])) in str(ei.value)
 
 
-@pytest.mark.parametrize("section", ["tiers", "tiers.gpu", "tiers.cpu", "tiers.nvme"])
+@pytest.mark.parametrize("section", ["tiers", "tiers.gpu", "tiers.cpu", "tiers.nvme", "tiers.rebalance"])
 @FUZZ
 @given(value=st.one_of(st.booleans(), st.integers(), st.floats(), st.text(min_size=1, max_size=8),
                        st.lists(_scalars, min_size=1, max_size=3)))
@@ -230,10 +320,16 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.fraction", 1.5), "tiers.gpu.fraction: must be in [0, 1], got 1.5"),
         (at("tiers.cpu.fraction", "50%"), "tiers.cpu.fraction: expected a number in [0, 1], got '50%'"),
         (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
-        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'cache', 'compute', 'decode_graphs', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'prefill_graphs', 'staging_slots', 'step_graphs']"),
+        (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'fraction', 'graphs', 'precision', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
         (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme', 'rebalance']"),
-        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['direct_io', 'precision', 'reader_threads']"),
+        (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision']"),
+        (at("tiers.cpu.compute", True), "tiers.cpu.compute: unknown key; allowed: ['budget', 'fraction', 'precision']"),
+        (at("tiers.rebalance.margin", 0.5), "tiers.rebalance.margin: unknown key; allowed: ['every_tokens', 'max_moves', 'window']"),
+        (at("tiers.gpu.graphs", "yes"), "tiers.gpu.graphs: expected true or false, got 'yes'"),
+        (at("tiers.rebalance.window", 0), "tiers.rebalance.window: expected an integer in [1, 1024], got 0"),
+        (at("tiers.rebalance.every_tokens", -1), "tiers.rebalance.every_tokens: expected an integer in [0, 1073741824], got -1"),
+        (at("tiers.rebalance.max_moves", True), "tiers.rebalance.max_moves: expected an integer in [1, 1048576], got True"),
         (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 0"),
         (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 2.0"),
         (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8']"),
@@ -252,7 +348,7 @@ def test_fractions_summing_above_one_rejected(g, c):
             {"tiers": {"gpu": {"fraction": 0.75}, "cpu": {"fraction": 0.5}}},
             "tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got 0.75 + 0.5 = 1.25",
         ),
-        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'cache', 'compute', 'decode_graphs', 'fraction', 'lfu_decay', 'precision', 'prefetch_depth', 'prefill_graphs', 'staging_slots', 'step_graphs'], got float 0.25"),
+        (at("tiers.gpu", 0.25), "tiers.gpu: expected a mapping with keys ['budget', 'fraction', 'graphs', 'precision', 'staging_slots'], got float 0.25"),
         (["tiers"], "config: expected a mapping with keys ['tiers'], got list ['tiers']"),
     ],
 )
@@ -356,15 +452,18 @@ def test_load_config_passes_a_config_through():
 
 
 def test_full_yaml_file(tmp_path):
+    """Every key of the schema but the fractions (a budget replaces each)."""
     path = tmp_path / "full.yaml"
     path.write_text(
         "tiers:\n"
-        "  gpu:\n    budget: 24GiB\n    precision: bf16\n    staging_slots: 4\n"
+        "  gpu:\n    budget: 24GiB\n    precision: bf16\n    staging_slots: 4\n    graphs: false\n"
         "  cpu:\n    budget: 512MB\n    precision: bnb8\n"
         "  nvme:\n    precision: int8\n"
+        "  rebalance:\n    every_tokens: 16\n    window: 4\n    max_moves: 2\n"
     )
     assert load_config(path) == TiersConfig(
-        GpuTier(TierSize(budget=24 * 2**30), "bf16", 4), CpuTier(TierSize(budget=512 * 10**6), "bnb8"), NvmeTier("int8")
+        GpuTier(TierSize(budget=24 * 2**30), "bf16", 4, False), CpuTier(TierSize(budget=512 * 10**6), "bnb8"), NvmeTier("int8"),
+        Rebalance(16, 4, 2),
     )
 
 
@@ -382,6 +481,10 @@ def test_full_yaml_file(tmp_path):
         ("tiers:\n  gpu: {staging_slots: 2.5}\n", "tiers.gpu.staging_slots"),
         ("tiers:\n  gpu: {staging_slots: on}\n", "tiers.gpu.staging_slots"),
         ("tiers:\n  nvme: {precision: INT8}\n", "tiers.nvme.precision"),
+        ("tiers:\n  gpu: {graphs: 1}\n", "tiers.gpu.graphs"),
+        ("tiers:\n  gpu: {step_graphs: off}\n", "tiers.gpu.step_graphs"),
+        ("tiers:\n  rebalance: {every_tokens: 8.5}\n", "tiers.rebalance.every_tokens"),
+        ("tiers:\n  rebalance: {across_layers: yes}\n", "tiers.rebalance.across_layers"),
         ("tiers:\n  gpu: {bogus: 1}\n", "tiers.gpu.bogus"),
         ("tierz:\n  gpu: {fraction: 0.25}\n", "config.tierz"),
         ("tiers:\n  - gpu\n", "tiers"),
@@ -472,55 +575,27 @@ def test_directory_as_config_is_named(tmp_path):
         load_config(tmp_path)
 
 
-@pytest.mark.parametrize("bad", ["LRU", "fifo", 3, None])
-def test_bad_cache_policy_names_key(bad):
-    with pytest.raises(ValueError, match=re.escape("tiers.gpu.cache: unknown policy")):
-        parse_config({"tiers": {"gpu": {"cache": bad}}})
-
-
-@pytest.mark.parametrize("bad", [0, -0.5, 1.5, "0.9", True, float("nan")])
-def test_bad_lfu_decay_names_key(bad):
-    with pytest.raises(ValueError, match=re.escape("tiers.gpu.lfu_decay: expected a number in (0, 1]")):
-        parse_config({"tiers": {"gpu": {"lfu_decay": bad}}})
-
-
-def test_cache_policy_parses():
-    cfg = parse_config({"tiers": {"gpu": {"cache": "lfu", "lfu_decay": 0.9}}})
-    assert (cfg.gpu.cache, cfg.gpu.lfu_decay) == ("lfu", 0.9)
-    assert parse_config(None).gpu.cache == "markov"
-    assert parse_config({"tiers": {"gpu": {"cache": "forecast"}}}).gpu.cache == "forecast"
-    assert parse_config({"tiers": {"gpu": {"cache": "lru"}}}).gpu.cache == "lru"
-
-
-@pytest.mark.parametrize("bad", ["GROUPED", "fast", 1])
-def test_bad_compute_names_key(bad):
-    with pytest.raises(ValueError, match=re.escape("tiers.gpu.compute: unknown kernels")):
-        parse_config({"tiers": {"gpu": {"compute": bad}}})
-
-
-@pytest.mark.parametrize("bad", [-1, 9, 1.5, "1", True])
-def test_bad_prefetch_depth_names_key(bad):
-    with pytest.raises(ValueError, match=re.escape("tiers.gpu.prefetch_depth: expected an integer in [0, 8]")):
-        parse_config({"tiers": {"gpu": {"prefetch_depth": bad}}})
-
-
-@pytest.mark.parametrize("bad", [-1, 65, 2.0, "4", False])
-def test_bad_reader_threads_names_key(bad):
-    with pytest.raises(ValueError, match=re.escape("tiers.nvme.reader_threads: expected an integer in [0, 64]")):
-        parse_config({"tiers": {"nvme": {"reader_threads": bad}}})
+@pytest.mark.parametrize("graphs", [True, False])
+def test_graphs_switch_parses_and_defaults_on(graphs):
+    """One switch for decode, prefill and step graphs (was decode_graphs, prefill_graphs, step_graphs)."""
+    assert parse_config(None).gpu.graphs is True and GpuTier().graphs is True
+    cfg = parse_config(at("tiers.gpu.graphs", graphs))
+    assert cfg.gpu.graphs is graphs
+    assert cfg == TiersConfig(gpu=GpuTier(graphs=graphs))
 
 
 def test_rebalance_parses_and_defaults_off():
-    assert parse_config(None).rebalance.every_tokens == 0
-    assert parse_config(None).rebalance.across_layers is False
-    r = parse_config({"tiers": {"rebalance": {"every_tokens": 64, "window": 8, "max_moves": 2, "margin": 0.5, "significance": 1,
-                                              "across_layers": True}}}).rebalance
-    assert (r.every_tokens, r.window, r.max_moves, r.margin, r.significance, r.across_layers) == (64, 8, 2, 0.5, 1.0, True)
+    assert parse_config(None).rebalance == Rebalance(every_tokens=0, window=64, max_moves=8)
+    r = parse_config({"tiers": {"rebalance": {"every_tokens": 64, "window": 8, "max_moves": 2}}}).rebalance
+    assert (r.every_tokens, r.window, r.max_moves) == (64, 8, 2)
+    r = parse_config({"tiers": {"rebalance": {"every_tokens": 1 << 30, "window": 1024, "max_moves": 1 << 20}}}).rebalance
+    assert (r.every_tokens, r.window, r.max_moves) == (1 << 30, 1024, 1 << 20)
+    r = parse_config({"tiers": {"rebalance": {"every_tokens": 0, "window": 1, "max_moves": 1}}}).rebalance
+    assert (r.every_tokens, r.window, r.max_moves) == (0, 1, 1)
 
 
-@pytest.mark.parametrize("name,bad", [("every_tokens", -1), ("every_tokens", 1.5), ("window", 0), ("max_moves", True),
-                                      ("margin", -0.1), ("margin", "x"), ("significance", -1), ("significance", True),
-                                      ("significance", 101), ("across_layers", "yes"), ("across_layers", 1)])
+@pytest.mark.parametrize("name,bad", [("every_tokens", -1), ("every_tokens", 1.5), ("every_tokens", (1 << 30) + 1), ("window", 0),
+                                      ("window", 1025), ("window", "8"), ("max_moves", True), ("max_moves", 0), ("max_moves", None)])
 def test_bad_rebalance_names_key(name, bad):
     with pytest.raises(ValueError, match=re.escape(f"tiers.rebalance.{name}:")):
         parse_config({"tiers": {"rebalance": {name: bad}}})
@@ -529,28 +604,3 @@ def test_bad_rebalance_names_key(name, bad):
 def test_unknown_rebalance_key():
     with pytest.raises(ValueError, match=re.escape("tiers.rebalance.every: unknown key")):
         parse_config({"tiers": {"rebalance": {"every": 3}}})
-
-
-@pytest.mark.parametrize("bad", ["yes", 1, None])
-def test_bad_direct_io_names_key(bad):
-    with pytest.raises(ValueError, match=re.escape("tiers.nvme.direct_io: expected true or false")):
-        parse_config({"tiers": {"nvme": {"direct_io": bad}}})
-
-
-def test_direct_io_defaults_off_and_reaches_the_disk_store(packed_factory):
-    import tiers
-    from tiers.integration import manager_of
-
-    assert parse_config({}).nvme.direct_io is False
-    import torch
-
-    logits = []
-    for direct_io in (False, True):  # cold experts read through the pinned ring either way
-        cfg = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.25}, "nvme": {"direct_io": direct_io}}}
-        model = tiers.load(packed_factory("mixtral"), cfg, device="cpu", progress=False)
-        mgr = manager_of(model)
-        assert mgr.cfg.nvme.direct_io is direct_io and mgr.disk.direct_io_active is (direct_io and hasattr(__import__("os"), "O_DIRECT"))
-        with torch.no_grad():
-            logits.append(model(torch.arange(12).view(1, 12)).logits)
-        assert mgr.stats().hits["nvme"] > 0
-    assert torch.equal(*logits)

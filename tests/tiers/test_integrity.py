@@ -10,14 +10,17 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiers
+from blob_files import corrupt_expert, decoded
 from conftest import flip_byte
+import tiers
+from tiers import report
+from tiers.api import manager_of
+from tiers.config import load_config
 from tiers.loader.layout import ExpertKey
 from tiers.loader.packed import read_manifest
-from tiers.config import load_config
-from tiers.disk_store import DiskStore
-from tiers.integration import manager_of
-from tiers.policy import plan_placement
+from tiers.policy.placement import plan_placement
+from tiers.slots import Slots
+from tiers.store.disk_store import DiskStore
 
 MODEL = "qwen3_moe"
 
@@ -42,25 +45,6 @@ def placement(path: Path, cfg: dict):
     return plan_placement(load_config(cfg), read_manifest(path))
 
 
-def corrupt_expert(root: Path, key: ExpertKey, precision: str, where: float = 0.5) -> Path:
-    """Flip one byte inside ``key``'s blob (not in its padding). Returns the file."""
-    ref = read_manifest(root).ref(key, precision)
-    flip_byte(root / ref.file, ref.offset + min(int(ref.nbytes * where), ref.nbytes - 1))
-    return root / ref.file
-
-
-def decoded(root: Path, key: ExpertKey, precision: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """What a correct read of ``key`` must give: the blob in the file, decoded alone on ``device``."""
-    m = read_manifest(root)
-    ref = m.ref(key, precision)
-    with open(root / ref.file, "rb") as f:
-        f.seek(ref.offset)
-        blob = torch.frombuffer(bytearray(f.read(ref.nbytes)), dtype=torch.uint8).to(device)
-    out = {t.name: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for t in m.layers[key.layer].layout.tensors}
-    m.blob(key, precision).dequantize_into(blob, out)
-    return out
-
-
 def assert_served_exact(handles, root: Path, precision: str = "bf16") -> None:
     """Each held expert's slot holds exactly its blob in the file, decoded alone."""
     for h in handles:
@@ -83,10 +67,10 @@ def test_clean_copy_loads_and_serves_exact_weights(packed_copy):
     model = tiers.load(packed_copy, BF16, device="cpu", progress=False)
     mgr = manager_of(model)
     for key in (pl.hot[0], pl.warm[0], pl.cold[0]):
-        h = mgr.try_acquire(key)
-        mgr.wait(h)
+        h = mgr.slots.acquire(key)
+        mgr.slots.wait_all([h])
         assert_served_exact([h], packed_copy)
-        mgr.release(h)
+        mgr.slots.release_all([h])
 
 
 # -- expert blobs --------------------------------------------------------------------------------
@@ -112,7 +96,7 @@ def test_corrupt_cold_expert_raises_on_first_read(packed_copy, where):
     model = tiers.load(packed_copy, BF16, device="cpu", progress=False)  # cold experts are not read at load
     mgr = manager_of(model)
     with pytest.raises(tiers.IntegrityError) as ei:
-        mgr.try_acquire(key)
+        mgr.slots.acquire(key)
     assert_names(ei, path, key)
 
 
@@ -122,19 +106,12 @@ def test_corrupt_cold_expert_is_never_served_on_retry(packed_copy):
     corrupt_expert(packed_copy, key, "bf16")
     mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False))
     with pytest.raises(tiers.IntegrityError):
-        mgr.try_acquire(key)
+        mgr.slots.acquire(key)
     with pytest.raises(RuntimeError):  # a second try must fail too, never hand out the half-written slot
-        mgr.try_acquire(key)
+        mgr.slots.acquire(key)
     assert mgr.table[key].slot is None
-
-
-_STAGE_BUG = (
-    "tiers/engine.py TierManager._stage: pool.begin_write() makes the expert the staging slot's owner "
-    "before disk.read() can raise IntegrityError, and nothing undoes it; the slot stays at the LRU front, so "
-    "the next miss picks it and try_acquire calls table.apply(owner, Op.EVICT) on an expert whose state is "
-    "ABSENT, raising IllegalTransition instead of staging"
-)
-
+    assert all(r == 0 for p in mgr.pools for r in mgr.table.readers(p.index))
+    mgr.table.check()
 
 
 def test_retry_of_corrupt_cold_expert_raises_integrity_error_again(packed_copy):
@@ -144,7 +121,7 @@ def test_retry_of_corrupt_cold_expert_raises_integrity_error_again(packed_copy):
     mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False))
     for _ in range(2):
         with pytest.raises(tiers.IntegrityError) as ei:
-            mgr.try_acquire(key)
+            mgr.slots.acquire(key)
         assert_names(ei, path, key)
 
 
@@ -155,11 +132,11 @@ def test_other_experts_still_served_after_an_integrity_error(packed_copy):
     corrupt_expert(packed_copy, bad, "bf16")
     mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False))
     with pytest.raises(tiers.IntegrityError):
-        mgr.try_acquire(bad)
-    h = mgr.try_acquire(good)
-    mgr.wait(h)
+        mgr.slots.acquire(bad)
+    h = mgr.slots.acquire(good)
+    mgr.slots.wait_all([h])
     assert_served_exact([h], packed_copy)
-    mgr.release(h)
+    mgr.slots.release_all([h])
 
 
 def test_forward_that_routes_to_a_corrupt_cold_expert_raises(packed_copy):
@@ -168,9 +145,8 @@ def test_forward_that_routes_to_a_corrupt_cold_expert_raises(packed_copy):
     files = {corrupt_expert(root, k, "bf16") for k in pl.cold}  # every cold expert: any routing hits one
     model = tiers.load(root, BF16, device="cpu", progress=False)
     prompt = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(tiers.IntegrityError) as ei:
-        with torch.no_grad():
-            model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(tiers.IntegrityError) as ei, torch.no_grad():
+        model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
     msg = str(ei.value)
     m = re.search(r"layer (\d+) expert (\d+)", msg)
     assert m, msg
@@ -295,18 +271,18 @@ def test_verify_always_through_load(packed_copy):
     key = pl.cold[0]
     mgr = manager_of(tiers.load(packed_copy, BF16, device="cpu", progress=False, verify="always"))
     assert mgr.disk.verify == "always"
-    h = mgr.try_acquire(key)
-    mgr.wait(h)
-    mgr.release(h)
+    h = mgr.slots.acquire(key)
+    mgr.slots.wait_all([h])
+    mgr.slots.release_all([h])
     path = corrupt_expert(packed_copy, key, "bf16")
     # Push it out of its staging slot so the next acquire reads the disk again.
     for other in pl.cold[1 : 1 + sum(g.staging for g in pl.groups)]:
-        hh = mgr.try_acquire(other)
-        mgr.wait(hh)
-        mgr.release(hh)
+        hh = mgr.slots.acquire(other)
+        mgr.slots.wait_all([hh])
+        mgr.slots.release_all([hh])
     assert mgr.table[key].slot is None
     with pytest.raises(tiers.IntegrityError) as ei:
-        mgr.try_acquire(key)
+        mgr.slots.acquire(key)
     assert_names(ei, path, key)
 
 
@@ -321,12 +297,12 @@ def _cold_call(mgr, pl, n: int = 3):
     for k in pl.cold:
         by_layer.setdefault(k.layer, []).append(k.expert)
     layer, experts = max(by_layer.items(), key=lambda kv: len(kv[1]))
-    staging = mgr.pool_of[layer].n_slots - mgr.hot_count[id(mgr.pool_of[layer])]
+    staging = len(mgr.pool_of[layer].staging)
     return layer, sorted(experts)[: min(n, staging)]
 
 
 READ_AHEAD = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"fraction": 0.25, "precision": "bf16"},
-                         "nvme": {"precision": "bf16", "reader_threads": 4}}}
+                         "nvme": {"precision": "bf16"}}}
 
 
 def _cold_call_manager(root: Path):
@@ -357,32 +333,31 @@ def test_cold_misses_of_one_call_are_read_in_parallel_and_served_exact(packed_co
                 active[0] -= 1
 
     monkeypatch.setattr(mgr.disk, "read", slow_read)
-    before = mgr.stats()
-    mgr.begin_call(layer, experts, 1)
-    held = mgr.acquire_layer(layer, experts)
-    mgr.wait_all(held)
+    before = report.stats(mgr)
+    mgr.count_call(layer, experts, 1, prefill=False)
+    held = mgr.slots.acquire_layer(layer, experts)
+    mgr.slots.wait_all(held)
     assert peak[0] >= 2, "the call's cold reads ran one at a time"
     assert_served_exact(held, packed_copy)
-    mgr.release_all(held)
-    after = mgr.stats()
+    mgr.slots.release_all(held)
+    after = report.stats(mgr)
     assert after.hits["nvme"] - before.hits["nvme"] == len(experts), "read-ahead demand misses count as nvme hits"
     assert after.hits["gpu"] == before.hits["gpu"]
     assert after.bytes_moved["nvme"] - before.bytes_moved["nvme"] == sum(mgr.manifest.ref(h.key, "bf16").nbytes for h in held)
-    assert all(r == 0 for p in mgr.pools for r in p.readers) and not mgr.demand_reads
+    assert after.read_ahead["reads"] - before.read_ahead["reads"] == len(experts)
+    assert all(r == 0 for p in mgr.pools for r in mgr.table.readers(p.index)) and not mgr.slots.demand_reads
 
 
 def test_cold_misses_of_large_blobs_are_read_one_at_a_time(packed_copy, monkeypatch):
     """Blobs above ``PARALLEL_READ_BYTES`` (read in large requests anyway) are not read ahead together."""
-    from tiers.engine import TierManager
-
     mgr, layer, experts = _cold_call_manager(packed_copy)
-    monkeypatch.setattr(TierManager, "PARALLEL_READ_BYTES", mgr.manifest.layers[layer].blobs["bf16"].nbytes - 1)
-    mgr.begin_call(layer, experts, 1)
-    held = mgr.acquire_layer(layer, experts)
-    mgr.wait_all(held)
-    assert mgr.stats_.async_reads == 0 and not mgr.pending, "large blobs were read ahead"
+    monkeypatch.setattr(Slots, "PARALLEL_READ_BYTES", mgr.manifest.layers[layer].blobs["bf16"].nbytes - 1)
+    mgr.count_call(layer, experts, 1, prefill=False)
+    held = mgr.slots.acquire_layer(layer, experts)
+    mgr.slots.wait_all(held)
+    assert report.stats(mgr).read_ahead["reads"] == 0 and not mgr.read_ahead.pending, "large blobs were read ahead"
     assert_served_exact(held, packed_copy)
-    mgr.release_all(held)
+    mgr.slots.release_all(held)
 
 
 def test_a_corrupt_blob_among_parallel_cold_reads_raises_and_holds_nothing(packed_copy):
@@ -391,13 +366,15 @@ def test_a_corrupt_blob_among_parallel_cold_reads_raises_and_holds_nothing(packe
     path = corrupt_expert(packed_copy, bad, "bf16")
     mgr = manager_of(tiers.load(packed_copy, READ_AHEAD, device="cpu", progress=False))
     with pytest.raises(tiers.IntegrityError) as ei:
-        mgr.acquire_layer(layer, experts)
+        mgr.slots.acquire_layer(layer, experts)
     assert_names(ei, path, bad)
-    mgr.drain()
-    assert all(r == 0 for p in mgr.pools for r in p.readers), "a failed call left slots held"
+    mgr.slots.drain()
+    assert all(r == 0 for p in mgr.pools for r in mgr.table.readers(p.index)), "a failed call left slots held"
     assert mgr.table[bad].slot is None
+    assert report.stats(mgr).read_ahead["errors"] == 1, "its read-ahead failed first, then its demand read raised"
+    mgr.table.check()
     good = [e for e in experts if e != bad.expert]
-    held = mgr.acquire_layer(layer, good)  # the rest are still served, exact
-    mgr.wait_all(held)
+    held = mgr.slots.acquire_layer(layer, good)  # the rest are still served, exact
+    mgr.slots.wait_all(held)
     assert_served_exact(held, packed_copy)
-    mgr.release_all(held)
+    mgr.slots.release_all(held)

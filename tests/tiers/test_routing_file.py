@@ -15,9 +15,9 @@ import tiers
 from tiers.loader.layout import ExpertKey
 from tiers.loader.packed import read_manifest, set_routing_prior
 from tests.conftest import devices
-from tiers.integration import manager_of
+from tiers.api import manager_of
 from tiers.loader.routing import read_routing, routing_document, write_routing
-from tiers.policy import preference_order
+from tiers.policy.placement import preference_order
 
 REBALANCING = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.75, "precision": "int8"},
                          "rebalance": {"every_tokens": 2}}}

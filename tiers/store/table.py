@@ -329,14 +329,20 @@ class Table:
             p.readers[slot] += 1
 
     def take_ready_many(self, pool: int, slots: list[int]) -> list[Pending]:
-        """``take_ready`` of each slot: the pending writes there were (Nones left out)."""
+        """``take_ready`` of each slot, all or none: the pending writes there were (Nones left out)."""
+        p = self._pools[pool]
+        for slot in slots:
+            if not p.readers[slot] or (p.writing[slot] and p.ready[slot] is None):
+                self.take_ready(pool, slot)  # raises, naming the slot, before anything changed
         take = self.take_ready
         return [w for w in (take(pool, slot) for slot in slots) if w is not None]
 
     def release_many(self, pool: int, slots: list[int], last_read: Any | None) -> None:
         p = self._pools[pool]
+        times: dict[int, int] = {}
         for slot in slots:
-            if not p.readers[slot]:
+            times[slot] = times.get(slot, 0) + 1
+            if p.readers[slot] < times[slot]:
                 raise IllegalTransition(f"release: slot {slot} of pool {pool} is released more often than held")
         for slot in slots:
             p.readers[slot] -= 1

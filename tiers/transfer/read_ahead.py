@@ -25,9 +25,9 @@ from tiers.transfer.staging import Staging
 class ReadAhead:
     THREADS = 4
 
-    def __init__(self, table: Table, disk: DiskStore, staging: Staging, stats: Any, precision: str, threads: int = THREADS):
+    def __init__(self, table: Table, disk: DiskStore, staging: Staging, stats: Any, precision: str):
         self.table, self.disk, self.staging, self.stats, self.precision = table, disk, staging, stats, precision
-        self.threads = ThreadPoolExecutor(threads, thread_name_prefix="tiers-read") if threads else None
+        self.threads = ThreadPoolExecutor(self.THREADS, thread_name_prefix="tiers-read")
         self.pending: dict[tuple[int, int], tuple[Future, ExpertKey, torch.Tensor, SlotPool]] = {}  # (pool, slot) -> its read
 
     def start(self, key: ExpertKey, pool: SlotPool, slot: int) -> None:
@@ -60,5 +60,4 @@ class ReadAhead:
         return [w for w, v in self.pending.items() if v[0].done()]
 
     def close(self) -> None:
-        if self.threads is not None:
-            self.threads.shutdown(wait=True)
+        self.threads.shutdown(wait=True)

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import tiers.disk_store as disk_store
 from conftest import flip_byte
 from tiers.loader.layout import ExpertKey
 from tiers.loader.packed import read_manifest
-from tiers.disk_store import DiskStore, IntegrityError, drop_page_cache
+from tiers.store import disk_store
+from tiers.store.disk_store import DiskStore, IntegrityError, drop_page_cache
 
 MODEL = "mixtral"  # bf16 blobs of 36 KiB (9 pages), int8 blobs of 19 KiB in a 20 KiB stride
 PRECISIONS = ["bf16", "int8"]

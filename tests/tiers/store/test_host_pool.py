@@ -1,5 +1,5 @@
-"""The warm tier's host slab (tiers.host_pool): a pool collected inside a CUDA graph capture keeps
-its pages mapped until its unregistration can run.
+"""The warm tier's host slab (tiers.store.host_pool): its bump allocator counts bytes per part, and a
+pool collected inside a CUDA graph capture keeps its pages mapped until its unregistration can run.
 
 CUDA refuses ``cudaHostUnregister`` while the calling thread captures a graph, and fails the
 capture; pages unmapped while still registered make the next registration at that address fail
@@ -14,8 +14,8 @@ import os
 import pytest
 import torch
 
-import tiers.host_pool as host_pool
-from tiers.host_pool import HostPool
+from tiers.store import host_pool
+from tiers.store.host_pool import HostPool
 
 
 class FakeCudart:
@@ -69,7 +69,7 @@ def test_unregistration_waits_while_capturing_and_keeps_the_mapping(fake_cuda):
 def test_a_refused_unregistration_is_retried_not_dropped(fake_cuda, caplog):
     mapping = mmap.mmap(-1, 4096)
     fake_cuda["cudart"].fail = 1
-    with caplog.at_level("WARNING", logger="tiers.host_pool"):
+    with caplog.at_level("WARNING", logger="tiers.store.host_pool"):
         host_pool._unregister(99, mapping)
     assert host_pool._pending == [(99, mapping)] and "CUDA error 1" in caplog.text
     assert fake_cuda["resets"] == 1  # the runtime's last error, left by the refusal, is cleared
@@ -118,6 +118,47 @@ def test_closing_an_unpinned_pool_touches_no_cuda():
     pool.close()  # nothing waits: no CUDA query either
 
 
+def test_alloc_counts_aligned_bytes_per_part_and_never_grows():
+    """Each allocation takes whole 4 KiB pages after the last one and counts them under its part;
+    a request past the capacity raises naming the part and changes nothing."""
+    pool = HostPool(10 * 4096, pin=False)
+    assert pool.capacity == 10 * 4096 and pool.used == 0 and pool.parts == {}
+    a = pool.alloc(1, "warm")
+    b = pool.alloc(4096, "rings")
+    c = pool.alloc(4097, "warm")
+    d = pool.alloc(0, "uploads")
+    assert (a, b, c, d) == (0, 4096, 2 * 4096, 4 * 4096)
+    assert pool.parts == {"warm": 4096 + 2 * 4096, "rings": 4096, "uploads": 0}
+    assert pool.used == 4 * 4096 == sum(pool.parts.values())
+    with pytest.raises(MemoryError, match=r"host pool full: 24577 bytes requested for promote, 24576 of 40960 left"):
+        pool.alloc(6 * 4096 + 1, "promote")
+    assert pool.used == 4 * 4096 and "promote" not in pool.parts
+    e = pool.alloc(6 * 4096, "promote")  # exactly what is left
+    assert e == 4 * 4096 and pool.used == pool.capacity and pool.parts["promote"] == 6 * 4096
+    v = pool.view(c, 4097)
+    assert v.numel() == 4097 and v.data_ptr() == pool.slab.data_ptr() + c
+    pool.close()
+
+
+def test_a_managers_host_pool_parts_are_what_it_holds(packed_factory):
+    """The manager's pinned slab: the warm experts' blobs, a ring buffer per staging slot for disk
+    reads, the upload buffers; the parts sum to what is used, each warm expert inside ``warm``."""
+    import tiers
+    from tiers.api import manager_of
+
+    cfg = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 2}, "cpu": {"fraction": 0.4}, "nvme": {"precision": "int8"}}}
+    mgr = manager_of(tiers.load(packed_factory("mixtral"), cfg, device="cpu", progress=False))
+    host, m = mgr.host, mgr.manifest
+    assert sum(host.parts.values()) == host.used <= host.capacity
+    assert host.parts["warm"] == sum(m.blob(k, "int8").stride for k in mgr.placement.warm)
+    staging = sum(len(p.staging) for p in mgr.pools)
+    assert host.parts["rings"] == staging * max(m.layers[L].blobs["int8"].stride for L in m.layers)
+    assert host.parts["uploads"] == mgr.uploads.BUFFERS * -(-mgr.uploads._bufs[0].numel() * 8 // 4096) * 4096  # each buffer in whole pages
+    for k in mgr.placement.warm:
+        assert 0 <= mgr.table[k].host_offset < host.parts["warm"]
+    mgr.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_pool_finalized_in_a_capture_is_unregistered_after_it():
@@ -151,9 +192,9 @@ def test_a_pool_finalized_in_a_capture_is_unregistered_after_it():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_decode_graphs_capture_with_the_collector_off():
-    from tiers.graphs import DecodeGraphs
+    from tiers.graphs.graph_cache import GraphCache
 
-    graphs = DecodeGraphs(torch.device("cuda"), enabled=True)
+    graphs = GraphCache(torch.device("cuda"), enabled=True)
     seen = []
 
     def step(a):
