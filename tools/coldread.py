@@ -16,15 +16,12 @@ files was dropped, with the bytes still cached reported beside it. The passes (a
 - ``diskstore_serial``: the same with ``read_threads=0`` (when ``read_threads`` > 0);
 - ``diskstore_parallel``: ``DiskStore.read`` of ``threads`` blobs at once, each into its own
   buffer, as the engine reads a layer call's cold misses on its reader threads (when ``threads`` > 1);
-- ``diskstore_direct`` and ``diskstore_parallel_direct``: the same two with ``direct_io=True``
-  (``tiers.nvme.direct_io``: the whole pages of each blob read with O_DIRECT), where O_DIRECT works;
-  ``ratio_direct`` and ``ratio_parallel_direct`` hold them to the best O_DIRECT rate.
 
 Each round runs every arm once, odd rounds in reverse order (``order`` lists them). ``ratio`` is
 ``diskstore.gbps`` over the best O_DIRECT rate (one blob at a time: a lone demand miss), and
 ``ratio_parallel`` the same for ``diskstore_parallel`` (several cold misses of one call), rates
 being total bytes over total seconds; ``ratio_engine`` is the one of the path the engine takes
-for blobs of this size (``engine_path``: together up to ``TierManager.PARALLEL_READ_BYTES``), and
+for blobs of this size (``engine_path``: together up to ``tiers.slots.Slots.PARALLEL_READ_BYTES``), and
 ``meets_target`` says whether it reaches the target, 0.9. GB/s are 1e9 bytes per second. Where the filesystem refuses O_DIRECT
 (tmpfs before Linux 6.6: EINVAL), ``o_direct_supported`` is false, ``o_direct_error`` says why,
 the O_DIRECT arms and ``ratio`` are null, and DiskStore is still measured.
@@ -52,7 +49,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 from tiers.loader.layout import ExpertKey  # noqa: E402
 from tiers.loader.packed import Manifest, read_manifest  # noqa: E402
-from tiers.disk_store import DiskStore, IntegrityError, drop_page_cache  # noqa: E402
+from tiers.store.disk_store import DiskStore, IntegrityError, drop_page_cache  # noqa: E402
 
 REQUEST_BYTES = 8 << 20  # one O_DIRECT request, and DiskStore's chunk
 # DiskStore's chunk threads by default: on the H200 test machine's virtio disk (read_ahead_kb 8192),
@@ -219,10 +216,9 @@ def direct_pass(spans: list[Span], streams: int, request_bytes: int, bar) -> dic
     return _rate(sum(done), seconds, streams=streams, request_bytes=request_bytes)
 
 
-def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_threads: int, chunk_bytes: int, bar,
-                   direct_io: bool = False) -> dict:
+def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_threads: int, chunk_bytes: int, bar) -> dict:
     """Read every span with DiskStore.read (verified on first read) into one page-aligned buffer; bytes and time."""
-    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes, direct_io=direct_io)
+    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes)
     buf = mmap.mmap(-1, max(s.stride for s in spans))  # page-aligned with a stride of room, like the engine's ring buffers
     out = torch.frombuffer(buf, dtype=torch.uint8)  # [max stride]
     out.zero_()  # faulted in before the clock starts, as the engine's pinned ring is at load
@@ -236,16 +232,15 @@ def diskstore_pass(manifest: Manifest, precision: str, spans: list[Span], read_t
         store.close()
         del out  # release the buffer export before closing the mapping
         buf.close()
-    return _rate(sum(s.nbytes for s in spans), seconds, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first",
-                 direct_io=store.direct_io_active)
+    return _rate(sum(s.nbytes for s in spans), seconds, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first")
 
 
 def diskstore_parallel_pass(manifest: Manifest, precision: str, spans: list[Span], workers: int, read_threads: int,
-                            chunk_bytes: int, bar, direct_io: bool = False) -> dict:
+                            chunk_bytes: int, bar) -> dict:
     """Read every span with DiskStore.read, ``workers`` at a time, each worker into its own page-aligned buffer."""
     from concurrent.futures import ThreadPoolExecutor
 
-    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes, direct_io=direct_io)
+    store = DiskStore(manifest, [precision], verify="first", read_threads=read_threads, chunk_bytes=chunk_bytes)
     size = max(s.stride for s in spans)
     free = queue.SimpleQueue()  # one buffer per worker: page-aligned and faulted in, like the engine's ring buffers
     for _ in range(workers):
@@ -269,8 +264,7 @@ def diskstore_parallel_pass(manifest: Manifest, precision: str, spans: list[Span
             seconds = time.perf_counter() - t0
     finally:
         store.close()
-    return _rate(sum(s.nbytes for s in spans), seconds, workers=workers, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first",
-                 direct_io=store.direct_io_active)
+    return _rate(sum(s.nbytes for s in spans), seconds, workers=workers, read_threads=read_threads, chunk_bytes=chunk_bytes, verify="first")
 
 
 def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threads: int = READ_THREADS,
@@ -315,13 +309,6 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
     if threads > 1:
         arms["diskstore_parallel"] = (f"DiskStore, {threads} blobs at once",
                                       lambda bar: diskstore_parallel_pass(manifest, precision, spans, threads, read_threads, request_bytes, bar))
-    if error is None:  # the same two paths with direct_io (tiers.nvme.direct_io)
-        arms["diskstore_direct"] = (f"DiskStore direct_io, read_threads={read_threads}",
-                                    lambda bar: diskstore_pass(manifest, precision, spans, read_threads, request_bytes, bar, direct_io=True))
-        if threads > 1:
-            arms["diskstore_parallel_direct"] = (
-                f"DiskStore direct_io, {threads} blobs at once",
-                lambda bar: diskstore_parallel_pass(manifest, precision, spans, threads, read_threads, request_bytes, bar, direct_io=True))
     # Rounds alternate the order (ABBA...): a disk whose rate drifts during the run (burst credits,
     # host-side caches) then biases no arm, where one fixed order would favour whichever runs first.
     order = [list(arms) if r % 2 == 0 else list(arms)[::-1] for r in range(rounds)]
@@ -335,21 +322,20 @@ def measure(packed_dir, precision: str = "int8", *, threads: int = 4, read_threa
                 cached = cached_bytes(spans)
                 bar.set_postfix_str(label)
                 runs[name].append(run(bar) | {"cached_bytes_before": cached})
-    for name in ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel",
-                 "diskstore_direct", "diskstore_parallel_direct"):
+    for name in ("o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel"):
         result[name] = _total(runs[name]) if name in runs else None
     result["order"] = order
     result["page_cache_dropped"] = all(drops)
     best = max((result[n]["gbps"] for n in ("o_direct_single", "o_direct_threads") if result[n]), default=None)
     result["o_direct_best_gbps"] = best
-    for suffix in ("", "_parallel", "_direct", "_parallel_direct"):  # each DiskStore arm (the last two: tiers.nvme.direct_io)
+    for suffix in ("", "_parallel"):  # each DiskStore arm
         arm = result[f"diskstore{suffix}"]
         result[f"ratio{suffix}"] = arm["gbps"] / best if best and arm and arm["gbps"] else None
     # the engine reads a call's cold misses together only when their blobs are small
-    from tiers.engine import TierManager
+    from tiers.slots import Slots
 
     blob = max((s.nbytes for s in spans), default=0)
-    result["engine_path"] = "diskstore_parallel" if blob <= TierManager.PARALLEL_READ_BYTES and threads > 1 else "diskstore"
+    result["engine_path"] = "diskstore_parallel" if blob <= Slots.PARALLEL_READ_BYTES and threads > 1 else "diskstore"
     result["ratio_engine"] = result["ratio_parallel"] if result["engine_path"] == "diskstore_parallel" else result["ratio"]
     result["target_ratio"] = TARGET_RATIO
     # the target holds the path the engine takes for these blobs to the disk's best O_DIRECT rate

@@ -24,8 +24,8 @@ import weakref
 import torch
 
 from tiers.loader.layout import find_experts_modules
-from tiers.step_graph import graph_safe
-from tiers.trace import TraceModel
+from tiers.graphs.step_graphs import graph_safe
+from tiers.tools.trace import TraceModel
 
 # experts module -> the TraceRouting that routes it: two live routings on one module would stack.
 _ROUTED: weakref.WeakKeyDictionary[torch.nn.Module, TraceRouting] = weakref.WeakKeyDictionary()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tiers.loader.packed import read_manifest
-from tiers.disk_store import drop_page_cache
+from tiers.store.disk_store import drop_page_cache
 from tiers.tools import coldread
 
 MODEL = "mixtral"
@@ -55,11 +55,7 @@ def test_measure_counts_every_blob_once_per_pass(packed, precision):
     assert r["ratio_parallel"] == pytest.approx(r["diskstore_parallel"]["gbps"] / best)
     assert (r["engine_path"], r["ratio_engine"]) == ("diskstore_parallel", r["ratio_parallel"])  # tiny blobs: read together
     assert r["meets_target"] is (r["ratio_engine"] >= 0.9)  # the engine's path is what the target holds
-    # the same paths with tiers.nvme.direct_io, O_DIRECT in use
-    for name in ("direct", "parallel_direct"):
-        assert_rate(r[f"diskstore_{name}"], nbytes)
-        assert r[f"diskstore_{name}"]["direct_io"] is True
-        assert r[f"ratio_{name}"] == pytest.approx(r[f"diskstore_{name}"]["gbps"] / best)
+    assert "diskstore_direct" not in r  # the store reads buffered only
     assert r["page_cache_dropped"] is hasattr(os, "posix_fadvise")
     json.dumps(r)  # JSON-able as it stands
 
@@ -74,10 +70,9 @@ def test_small_requests_split_strides_and_chunks_without_losing_bytes(packed):
 def test_rounds_alternate_the_order_and_add_up(packed):
     _, strides, nbytes = sums(packed, "int8")
     r = coldread.measure(packed, "int8", threads=2, read_threads=1, rounds=3, progress=False)
-    arms = ["o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel",
-            "diskstore_direct", "diskstore_parallel_direct"]
+    arms = ["o_direct_single", "o_direct_threads", "diskstore", "diskstore_serial", "diskstore_parallel"]
     assert r["order"] == [arms, arms[::-1], arms]
-    for name, per_round in zip(arms, [strides, strides, nbytes, nbytes, nbytes, nbytes, nbytes]):
+    for name, per_round in zip(arms, [strides, strides, nbytes, nbytes, nbytes]):
         assert_rate(r[name], 3 * per_round)
         assert len(r[name]["rounds_gbps"]) == 3 and all(g > 0 for g in r[name]["rounds_gbps"])
     assert (r["diskstore"]["read_threads"], r["diskstore_serial"]["read_threads"]) == (1, 0)
@@ -87,8 +82,7 @@ def test_rounds_alternate_the_order_and_add_up(packed):
 def test_read_threads_zero_has_no_serial_twin(packed):
     r = coldread.measure(packed, "int8", threads=2, read_threads=0, progress=False)
     assert r["diskstore"]["read_threads"] == 0 and r["diskstore_serial"] is None
-    assert r["order"] == [["o_direct_single", "o_direct_threads", "diskstore", "diskstore_parallel", "diskstore_direct",
-                           "diskstore_parallel_direct"]]
+    assert r["order"] == [["o_direct_single", "o_direct_threads", "diskstore", "diskstore_parallel"]]
 
 
 def test_limit_bytes_picks_whole_blobs_in_file_order(packed):
@@ -129,7 +123,6 @@ def _check_unsupported(r: dict, root: Path) -> None:
     assert r["o_direct_single"] is None and r["o_direct_threads"] is None
     assert r["ratio"] is None and r["meets_target"] is None and r["o_direct_best_gbps"] is None
     assert r["ratio_parallel"] is None
-    assert r["diskstore_direct"] is None and r["ratio_direct"] is None  # no O_DIRECT: no direct_io arms
     assert_rate(r["diskstore"], nbytes)  # DiskStore is still measured
 
 

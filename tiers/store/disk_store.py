@@ -10,7 +10,6 @@ its chunks has finished, so no pool thread writes into ``out`` once ``read`` is 
 """
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import zlib
@@ -82,27 +81,20 @@ class DiskStore:
     Most of the gain is the CRC32 overlapping the reads; more threads issue concurrent buffered
     preads on one descriptor, whose shared readahead state they defeat.
 
-    ``direct_io=True`` reads the 4 KiB-aligned bulk of a blob with ``O_DIRECT`` (straight from the
-    disk into ``out``, bypassing and not filling the page cache) when ``out`` is page-aligned, and
-    its last partial page buffered; where the platform or filesystem refuses ``O_DIRECT`` the store
-    falls back to buffered reads for good (``direct_io_active`` says which). The O_DIRECT rate of
-    one stream is what ``tools/coldread.py`` holds DiskStore to.
+    The O_DIRECT rate of one stream is what ``tools/coldread.py`` holds these buffered reads to
+    (0.99x in the H200 bench's run 60); reading with O_DIRECT itself was slower there.
     """
 
     def __init__(self, manifest: Manifest, precisions: list[str], *, verify: str = "first",
-                 read_threads: int = 0, chunk_bytes: int = 8 << 20, direct_io: bool = False):
+                 read_threads: int = 0, chunk_bytes: int = 8 << 20):
         if verify not in ("first", "always"):
             raise ValueError(f"verify: expected 'first' or 'always', got {verify!r}")
         if isinstance(read_threads, bool) or not isinstance(read_threads, int) or not 0 <= read_threads <= 64:
             raise ValueError(f"read_threads: expected an int in [0, 64], got {read_threads!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0 or chunk_bytes % BLOB_ALIGN:
             raise ValueError(f"chunk_bytes: expected a positive multiple of {BLOB_ALIGN} (4 KiB), got {chunk_bytes!r}")
-        if not isinstance(direct_io, bool):
-            raise ValueError(f"direct_io: expected true or false, got {direct_io!r}")
         self.manifest = manifest
         self.verify = verify
-        self.direct_io_active = direct_io and hasattr(os, "O_DIRECT")  # until the filesystem refuses it
-        self._dfds: dict[str, int] = {}
         self.read_threads = read_threads
         self.chunk_bytes = chunk_bytes
         self._verified: set[tuple[ExpertKey, str]] = set()
@@ -144,26 +136,6 @@ class DiskStore:
                 self._fds[rel] = fd
             return fd
 
-    def _direct_fd(self, rel: str) -> int | None:
-        """An O_DIRECT descriptor of ``rel``; None (and O_DIRECT off for good) where it is refused."""
-        with self._lock:
-            fd = self._dfds.get(rel)
-            if fd is None and self.direct_io_active:
-                try:
-                    fd = self._dfds[rel] = os.open(self.manifest.root / rel, os.O_RDONLY | os.O_DIRECT)
-                except OSError as e:
-                    if not self._o_direct_refused(e):
-                        raise
-            return fd
-
-    def _o_direct_refused(self, e: OSError) -> bool:
-        """Whether ``e`` is the platform or filesystem refusing O_DIRECT; if so, reads are
-        buffered from now on."""
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-            return False
-        self.direct_io_active = False
-        return True
-
     def read(self, key: ExpertKey, precision: str, out: torch.Tensor) -> BlobRef:
         """Read one blob into the uint8 CPU tensor ``out`` (at least ``nbytes`` long)."""
         ref = self.manifest.ref(key, precision)
@@ -179,21 +151,7 @@ class DiskStore:
             fd = self._fd(ref.file)
         except FileNotFoundError:
             raise IntegrityError(f"expert file {str(path)!r} is missing ({key}, {precision})") from None
-        # O_DIRECT for the whole pages of an aligned blob into an aligned buffer, the rest buffered
-        bulk, got, crc = 0, 0, 0
-        if self.direct_io_active and dst.data_ptr() % BLOB_ALIGN == 0 and ref.offset % BLOB_ALIGN == 0:
-            dfd = self._direct_fd(ref.file)
-            if dfd is not None:
-                bulk = ref.nbytes - ref.nbytes % BLOB_ALIGN
-                try:
-                    got, crc = self._read_span(dfd, view[:bulk], ref.offset, check, crc)
-                except OSError as e:  # a filesystem that opens with O_DIRECT and refuses the read
-                    if not self._o_direct_refused(e):
-                        raise
-                    bulk, got, crc = 0, 0, 0
-        if got == bulk:
-            n, crc = self._read_span(fd, view[bulk:], ref.offset + bulk, check, crc)
-            got += n
+        got, crc = self._read_span(fd, view, ref.offset, check, 0)
         if got != ref.nbytes:
             raise IntegrityError(f"expert file {str(path)!r} is truncated: read {got} of {ref.nbytes} bytes for {key} ({precision})")
         if check:
@@ -244,7 +202,6 @@ class DiskStore:
         if pool is not None:
             pool.shutdown(wait=True)
         with self._lock:
-            fds, self._fds = list(self._fds.values()) + list(self._dfds.values()), {}
-            self._dfds = {}
+            fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)
