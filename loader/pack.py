@@ -25,6 +25,7 @@ from transformers import AutoConfig
 
 from .. import quant
 from .blob import BLOB_ALIGN, align, blob_layout
+from .destination import check_apart
 from .layout import ExpertLayout, discover_layout, find_experts_modules
 from .packed import MANIFEST, manifest_json, routing_prior
 from .skeleton import build_skeleton, key_renamer
@@ -207,7 +208,8 @@ def pack(
     device: str | torch.device = "cpu",
     routing: str | Path | Mapping | None = None,
 ) -> PackSummary:
-    """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``.
+    """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``,
+    and always (ValueError) if ``dst`` is ``src``, lies inside it or contains it.
 
     ``routing``: a routing file (``tiers.save_routing``) or its parsed document, embedded in the
     manifest as the checkpoint's routing prior, by which a load without a routing file ranks
@@ -223,6 +225,7 @@ def pack(
     precisions = list(dict.fromkeys(precisions))
     for p in precisions:
         quant.get_scheme(p)  # ValueError naming the unknown precision
+    check_apart(src_path, dst)  # before the exists check, whose hint (--overwrite) would destroy the source here
     if dst.exists() and not overwrite:
         raise FileExistsError(f"destination {str(dst)!r} exists; pass --overwrite (overwrite=True) to replace it")
     source = SourceCheckpoint(src_path)

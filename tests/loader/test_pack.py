@@ -261,3 +261,50 @@ def test_unknown_precision_is_refused_before_writing(checkpoint_factory, tmp_pat
     with pytest.raises(ValueError, match="fp4"):
         pack(checkpoint_factory("qwen3_moe"), dst, precisions=("bf16", "fp4"), progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- destination apart from the source -------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("relation", ["same", "same_through_dotdot", "same_through_symlink", "inside", "contains"])
+def test_destination_overlapping_the_source_is_refused_even_with_overwrite(relation, checkpoint_factory, tmp_path):
+    outer = tmp_path / "outer"
+    src = outer / "src"
+    shutil.copytree(checkpoint_factory("qwen3_moe"), src)
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    dst = {
+        "same": src,
+        "same_through_dotdot": outer / "elsewhere" / ".." / "src",
+        "same_through_symlink": tmp_path / "link",
+        "inside": src / "packed",
+        "contains": outer,
+    }[relation]
+    before = _snapshot(outer)
+    with pytest.raises(ValueError) as e:
+        pack(src, dst, overwrite=True, progress=False)
+    msg = str(e.value)
+    assert repr(str(dst)) in msg and repr(str(src)) in msg, msg
+    what = {"inside": "lies inside the source", "contains": "contains the source"}.get(relation, "is the source")
+    assert f"{what} " in msg and "pack into a separate directory" in msg
+    assert _snapshot(outer) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "outer"]
+
+
+def test_destination_beside_the_source_is_packed(checkpoint_factory, tmp_path):
+    """A sibling whose name starts with the source's (``src`` and ``src-packed``) is apart from it."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint_factory("qwen3_moe"), src)
+    pack(src, tmp_path / "src-packed", precisions=("bf16",), progress=False)
+    assert read_manifest(tmp_path / "src-packed").precisions == ("bf16",)
+
+
+def test_unpacked_directory_hint_names_a_separate_destination(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("qwen3_moe")
+    with pytest.raises(ValueError, match="not a packed checkpoint") as e:
+        read_manifest(src)
+    assert f"`python tools/pack.py {src} {src}-packed`" in str(e.value)
+    with pytest.raises(ValueError, match="not a packed checkpoint") as e:
+        read_manifest(tmp_path)
+    assert "DST a new directory, apart from SRC" in str(e.value)

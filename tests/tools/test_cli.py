@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,19 @@ def test_pack_main_existing_dst_without_overwrite(checkpoint_factory, tmp_path, 
     assert not (dst / "mine.txt").exists()
     assert read_manifest(dst).precisions == ("bf16", "int8")  # --precisions adds to the defaults
 
+
+
+def test_pack_main_into_its_own_source_is_refused(checkpoint_factory, tmp_path, capsys):
+    src = tmp_path / "hf"
+    shutil.copytree(checkpoint_factory(MODEL), src)
+    before = sorted(p.name for p in src.iterdir())
+    capsys.readouterr()  # the fixture's own output
+    rc = pack_cli.main([str(src), str(src), "--quiet", "--overwrite"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("tiers-pack: error: ")
+    assert f"destination {str(src)!r} is the source {str(src)!r}" in err and "pack into a separate directory" in err
+    assert sorted(p.name for p in src.iterdir()) == before and not (src / "manifest.json").exists()
 
 @pytest.mark.parametrize(
     "yaml_text, expected",
