@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from tiers import quant
 from conftest import MODELS, tiny_config
+from tiers.loader.destination import StaleDir
 from tiers.loader.layout import ExpertKey, find_experts_modules
 from tiers.loader.pack import pack
 from tiers.loader.packed import MANIFEST, read_manifest
@@ -308,3 +312,54 @@ def test_unpacked_directory_hint_names_a_separate_destination(checkpoint_factory
     with pytest.raises(ValueError, match="not a packed checkpoint") as e:
         read_manifest(tmp_path)
     assert "DST a new directory, apart from SRC" in str(e.value)
+
+
+# -- staging directories of dead packs -------------------------------------------------------
+DEAD_PID = 2**22 + 1  # above Linux's PID_MAX_LIMIT (2**22): no process can have it
+
+
+def _staging(parent: Path, name: str, files: dict[str, int]) -> Path:
+    d = parent / name
+    for rel, size in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        with open(d / rel, "wb") as f:
+            f.truncate(size)
+    return d
+
+
+@pytest.mark.skipif(os.name != "posix", reason="PIDs are probed with signal 0, a POSIX call")
+def test_stale_staging_of_dead_packs_is_removed_and_reported(checkpoint_factory, tmp_path):
+    dst = tmp_path / "packed"
+    dead_tmp = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"experts/bf16/layer-0000.safetensors": 3 << 20, "config.json": 1 << 19})
+    dead_old = _staging(tmp_path, f".packed.old-{DEAD_PID}", {"manifest.json": 1 << 20})
+    own = _staging(tmp_path, f".packed.old-{os.getpid()}", {"manifest.json": 10})  # this (running) process's
+    other = _staging(tmp_path, f".other.tmp-{DEAD_PID}", {"x": 10})  # another destination's
+    odd = _staging(tmp_path, ".packed.tmp-notapid", {"x": 10})
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
+        try:
+            live = _staging(tmp_path, f".packed.tmp-{child.pid}", {"x": 10})  # a pack still running
+            summary = pack(checkpoint_factory("qwen3_moe"), dst, precisions=("bf16",), progress=False)
+        finally:
+            child.kill()
+    assert summary.removed == [StaleDir(dead_old, DEAD_PID, 1 << 20), StaleDir(dead_tmp, DEAD_PID, (3 << 20) + (1 << 19))]
+    assert not dead_tmp.exists() and not dead_old.exists()
+    assert all(d.is_dir() for d in (own, other, odd, live))
+    assert read_manifest(dst).precisions == ("bf16",)
+    text = str(summary)
+    assert f"removed 2 staging directories that packs no longer running left beside the destination (4.5 MiB): " \
+           f".packed.old-{DEAD_PID}, .packed.tmp-{DEAD_PID}" in text
+
+
+def test_pack_without_stale_staging_reports_none(checkpoint_factory, tmp_path):
+    summary = pack(checkpoint_factory("qwen3_moe"), tmp_path / "packed", precisions=("bf16",), progress=False)
+    assert summary.removed == [] and "staging" not in str(summary)
+
+
+def test_stale_staging_is_left_when_the_pack_is_refused(checkpoint_factory, tmp_path):
+    """A pack that refuses its arguments changes nothing on disk, stale directories included."""
+    dst = tmp_path / "packed"
+    dst.mkdir()
+    dead = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"x": 10})
+    with pytest.raises(FileExistsError):
+        pack(checkpoint_factory("qwen3_moe"), dst, progress=False)
+    assert dead.is_dir()

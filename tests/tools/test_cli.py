@@ -5,6 +5,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,6 +66,37 @@ def test_pack_main_into_its_own_source_is_refused(checkpoint_factory, tmp_path, 
     assert err.count("\n") == 1 and err.startswith("tiers-pack: error: ")
     assert f"destination {str(src)!r} is the source {str(src)!r}" in err and "pack into a separate directory" in err
     assert sorted(p.name for p in src.iterdir()) == before and not (src / "manifest.json").exists()
+
+
+# A pack killed outright once it has written one MoE layer: no finally runs, as under SIGKILL.
+KILLED_PACK = """
+import importlib, os, signal, sys
+pack_module = importlib.import_module("tiers.loader.pack")
+real = pack_module._write_experts
+def killed(source, experts, *args):
+    real(source, dict(list(experts.items())[:1]), *args)
+    os.kill(os.getpid(), signal.SIGKILL)
+pack_module._write_experts = killed
+pack_module.pack(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL and PID probes are POSIX")
+def test_pack_main_removes_what_a_killed_pack_left(checkpoint_factory, tmp_path, capsys):
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([sys.executable, "-c", KILLED_PACK, str(src), str(dst)], env=env, stderr=subprocess.PIPE, text=True) as proc:
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err
+    (left,) = tmp_path.iterdir()
+    assert left.name == f".packed.tmp-{proc.pid}" and (left / "experts" / "int8" / "layer-0000.safetensors").is_file()
+    nbytes = sum(p.stat().st_size for p in left.rglob("*") if p.is_file())
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert (f"removed 1 staging directory that packs no longer running left beside the destination "
+            f"({nbytes / 2**20:.1f} MiB): .packed.tmp-{proc.pid}") in out
+    assert [p.name for p in tmp_path.iterdir()] == ["packed"]
 
 @pytest.mark.parametrize(
     "yaml_text, expected",
