@@ -1,6 +1,7 @@
 """tools/pack.py and tools/inspect.py: the command-line front ends."""
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -98,6 +99,7 @@ def test_pack_main_removes_what_a_killed_pack_left(checkpoint_factory, tmp_path,
             f"({nbytes / 2**20:.1f} MiB): .packed.tmp-{proc.pid}") in out
     assert [p.name for p in tmp_path.iterdir()] == ["packed"]
 
+
 @pytest.mark.parametrize(
     "yaml_text, expected",
     [
@@ -134,6 +136,88 @@ def test_pack_main_bad_config_and_source(tmp_path, capsys, checkpoint_factory):
     assert rc == 2
     assert str(bad) in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _one_error_line(err: str) -> str:
+    """The message of a clean CLI error: exactly one line, no traceback."""
+    assert err.count("\n") == 1 and err.startswith("tiers-pack: error: "), err
+    return err[len("tiers-pack: error: "):].rstrip("\n")
+
+
+@pytest.mark.parametrize(
+    "config, names",
+    [
+        (None, ["does not exist"]),  # a --config naming no file
+        ("tiers:\n  gpu: {fraction: 0.5, colour: red}\n", ["tiers.gpu.colour: unknown key"]),
+        ("tiers:\n  wrong: {}\n", ["tiers.wrong: unknown key"]),
+        ("tiers: [\n", ["is not valid YAML"]),
+        ("tiers:\n  cpu: {precision: fp4}\n", ["fp4"]),
+    ],
+    ids=["missing", "unknown_key", "unknown_tier", "bad_yaml", "unknown_precision"],
+)
+def test_pack_main_bad_config_is_one_line(config, names, checkpoint_factory, tmp_path, capsys):
+    src = checkpoint_factory(MODEL)
+    cfg = tmp_path / "tiers.yaml"
+    if config is not None:
+        cfg.write_text(config)
+    capsys.readouterr()
+    rc = pack_cli.main([str(src), str(tmp_path / "out"), "--config", str(cfg), "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    msg = _one_error_line(err)
+    assert str(cfg) in msg and all(n in msg for n in names), msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["tiers.yaml"] if config is not None else [])
+
+
+def test_pack_main_missing_routing_file_is_one_line(checkpoint_factory, tmp_path, capsys):
+    capsys.readouterr()
+    missing = tmp_path / "routing.json"
+    assert pack_cli.main([str(checkpoint_factory(MODEL)), str(tmp_path / "out"), "--routing", str(missing), "--quiet"]) == 2
+    assert str(missing) in _one_error_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into a read-only directory anyway")
+def test_pack_main_read_only_parent_is_one_line(checkpoint_factory, tmp_path, capsys):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        capsys.readouterr()
+        assert pack_cli.main([str(checkpoint_factory(MODEL)), str(parent / "packed"), "--quiet"]) == 2
+        msg = _one_error_line(capsys.readouterr().err)
+    finally:
+        parent.chmod(0o755)
+    assert "Permission denied" in msg and str(parent) in msg
+    assert list(parent.iterdir()) == []
+
+
+def test_pack_main_os_errors_are_one_line(checkpoint_factory, tmp_path, capsys, monkeypatch):
+    """Simulated (root ignores permissions, and no test should fill a disk): a read-only
+    directory refusing the staging directory, then a full disk while writing dense weights."""
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(Path, "mkdir", read_only)
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg == f"[Errno {errno.EACCES}] Permission denied: '{tmp_path / f'.packed.tmp-{os.getpid()}'}'"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(importlib.import_module("tiers.loader.pack"), "_write_dense", full)
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg == f"[Errno {errno.ENOSPC}] No space left on device (packing {src} into {dst})"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_pack_main_routing_prior_at_pack_time_then_set_and_cleared(checkpoint_factory, tmp_path, capsys):
