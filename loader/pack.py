@@ -25,7 +25,7 @@ from transformers import AutoConfig
 from .. import quant
 from .blob import BLOB_ALIGN, align, blob_layout
 from .destination import StaleDir, check_apart, remove_stale, staging_dir
-from .layout import ExpertLayout, discover_layout, find_experts_modules
+from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
 from .packed import MANIFEST, manifest_json, routing_prior
 from .skeleton import build_skeleton, key_renamer
 from .source import SourceCheckpoint
@@ -113,6 +113,10 @@ def _plan(src: SourceCheckpoint, model: torch.nn.Module):
     experts = find_experts_modules(model)
     if not experts:
         raise ValueError(f"model type {model.config.model_type!r} has no experts module that transformers' experts registry drives")
+    for _, module in experts.values():
+        why = unservable(module)
+        if why is not None:
+            raise ValueError(f"{model.config.model_type} ({type(module).__name__}): {why}; Tiers cannot serve this family yet")
     by_module = {name: layer for layer, (name, _) in experts.items()}
     layouts = {layer: discover_layout(mod) for layer, (_, mod) in experts.items()}
     dense_targets = set(model.state_dict().keys())

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from tiers import quant
-from conftest import MODELS, tiny_config
+from conftest import MODELS, save_tiny, tiny_config
 from tiers.loader.destination import StaleDir
 from tiers.loader.layout import ExpertKey, find_experts_modules
 from tiers.loader.pack import pack
@@ -363,3 +363,38 @@ def test_stale_staging_is_left_when_the_pack_is_refused(checkpoint_factory, tmp_
     with pytest.raises(FileExistsError):
         pack(checkpoint_factory("qwen3_moe"), dst, progress=False)
     assert dead.is_dir()
+
+
+# -- families Tiers cannot serve -------------------------------------------------------------
+GPT_OSS_REFUSAL = (
+    "gpt_oss (GptOssExperts): its experts have no act_fn (they gate through their own _apply_gate), which Tiers' grouped "
+    "experts forward (tiers.gpu.compute: grouped, the default) reads from every experts module; Tiers cannot serve this family yet"
+)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory) -> Path:
+    return save_tiny("gpt_oss", tmp_path_factory.mktemp("hf-gpt_oss"))
+
+
+def test_gpt_oss_is_refused_before_anything_is_written(gpt_oss_checkpoint, tmp_path):
+    assert json.loads((gpt_oss_checkpoint / "config.json").read_text())["model_type"] == "gpt_oss"
+    stale = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"x": 10})
+    with pytest.raises(ValueError) as e:
+        pack(gpt_oss_checkpoint, tmp_path / "packed", overwrite=True, progress=False)
+    assert str(e.value) == GPT_OSS_REFUSAL
+    assert [p.name for p in tmp_path.iterdir()] == [stale.name]
+
+
+def test_gpt_oss_refusal_names_the_failure_a_pack_would_meet(gpt_oss_checkpoint, tmp_path, monkeypatch):
+    """The reason is real: packed past the check, GPT-OSS loads, then its first forward fails on
+    the act_fn the reason names. (When the forwards stop needing it, this fails: update
+    ``unservable`` with them.)"""
+    import tiers
+
+    monkeypatch.setattr(pack_module, "unservable", lambda module: None)
+    dst = tmp_path / "packed"
+    pack(gpt_oss_checkpoint, dst, progress=False)
+    model = tiers.load(dst, device="cpu", progress=False)
+    with pytest.raises(AttributeError, match="'GptOssExperts' object has no attribute 'act_fn'"):
+        model(torch.tensor([[1, 2, 3]]))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import save_tiny
 from tiers.loader.packed import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -218,6 +219,15 @@ def test_pack_main_os_errors_are_one_line(checkpoint_factory, tmp_path, capsys, 
     msg = _one_error_line(capsys.readouterr().err)
     assert msg == f"[Errno {errno.ENOSPC}] No space left on device (packing {src} into {dst})"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_unservable_family_is_one_line(tmp_path, capsys):
+    src = save_tiny("gpt_oss", tmp_path / "hf")
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(tmp_path / "packed"), "--quiet"]) == 2
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg.startswith("gpt_oss (GptOssExperts): its experts have no act_fn") and msg.endswith("Tiers cannot serve this family yet")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
 def test_pack_main_routing_prior_at_pack_time_then_set_and_cleared(checkpoint_factory, tmp_path, capsys):
