@@ -1,7 +1,7 @@
 """Expert layout: what one expert's tensors look like, discovered from the experts module.
 
-Owns: ``ExpertKey``, ``ExpertGrid``, ``ExpertTensor`` and ``ExpertLayout``, and finding the experts modules of a
-model. Discovery reads parameter names, shapes and the flags that transformers'
+Owns: ``ExpertKey``, ``ExpertGrid``, ``ExpertTensor`` and ``ExpertLayout``, finding the experts modules of a
+model, and saying why one cannot be served (``unservable``). Discovery reads parameter names, shapes and the flags that transformers'
 ``use_experts_implementation`` sets on the module (``has_gate``, ``has_bias``,
 ``is_transposed``, ``is_concatenated``); it never looks at the model class.
 Invariant: every 3D+ parameter whose first dimension is ``num_experts`` is an expert tensor,
@@ -140,13 +140,15 @@ def is_experts_module(module: torch.nn.Module) -> bool:
     return hasattr(module, "num_experts") and hasattr(module, "has_gate") and hasattr(module, "is_transposed")
 
 
+def _expert_params(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The module's own parameters that hold one slice per expert (the invariant above), in order."""
+    n = int(module.num_experts)
+    return [(name, p) for name, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n]
+
+
 def discover_layout(module: torch.nn.Module) -> ExpertLayout:
     num_experts = int(module.num_experts)
-    tensors = tuple(
-        ExpertTensor(name, tuple(p.shape[1:]))
-        for name, p in module.named_parameters(recurse=False)
-        if p.dim() >= 2 and p.shape[0] == num_experts
-    )
+    tensors = tuple(ExpertTensor(name, tuple(p.shape[1:])) for name, p in _expert_params(module))
     if not tensors:
         raise ValueError(f"experts module {type(module).__name__} has no parameter with a leading dim of {num_experts}")
     return ExpertLayout(
@@ -157,6 +159,39 @@ def discover_layout(module: torch.nn.Module) -> ExpertLayout:
         is_transposed=bool(module.is_transposed),
         is_concatenated=bool(getattr(module, "is_concatenated", True)),
     )
+
+
+def unservable(module: torch.nn.Module) -> str | None:
+    """Why Tiers' experts forwards cannot serve ``module`` (None: they can).
+
+    What the forwards read (``tiers_experts_forward``, and ``_run_windows`` over a slot proxy of
+    the module): the expert tensors ``gate_up_proj`` then the module's ``_apply_gate`` when
+    ``has_gate`` (else ``up_proj`` then ``act_fn``), then ``down_proj``; ``<tensor>_bias`` of
+    each when ``has_bias``; ``is_transposed`` for the side of each product; ``post_expert_norm``
+    when ``has_post_expert_norm``. The grouped forward's proxy copies ``has_gate``, ``has_bias``,
+    ``is_transposed``, ``is_concatenated`` and ``act_fn`` from every module, gated or not, so a
+    module without ``act_fn`` fails at its first call. An expert tensor beyond these would be
+    packed but left out of the computation.
+    """
+    if not is_experts_module(module):
+        return "it is not an experts module of transformers' use_experts_implementation (no num_experts, has_gate or is_transposed)"
+    gated = bool(module.has_gate)
+    if not callable(getattr(module, "act_fn", None)):
+        gate = " (they gate through their own _apply_gate)" if gated else ""
+        return (f"its experts have no act_fn{gate}, which Tiers' grouped experts forward (tiers.gpu.compute: grouped, "
+                f"the default) reads from every experts module")
+    if gated and not callable(getattr(module, "_apply_gate", None)):
+        return "its experts have a gate (has_gate) but no _apply_gate to apply it"
+    if getattr(module, "has_post_expert_norm", False) and not callable(getattr(module, "post_expert_norm", None)):
+        return "its experts end with a norm (has_post_expert_norm) but have no post_expert_norm module"
+    up, biased = ("gate_up_proj" if gated else "up_proj"), bool(getattr(module, "has_bias", False))
+    wanted = {up, "down_proj"} | ({f"{up}_bias", "down_proj_bias"} if biased else set())
+    have = {name for name, _ in _expert_params(module)}
+    if wanted - have:
+        return f"its experts have no {sorted(wanted - have)}, which the forwards read (has_gate={gated}, has_bias={biased})"
+    if have - wanted:
+        return f"its expert tensors {sorted(have - wanted)} are none the forwards read, so they would be left out of the computation"
+    return None
 
 
 def find_experts_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.nn.Module]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -25,7 +24,8 @@ from transformers import AutoConfig
 
 from .. import quant
 from .blob import BLOB_ALIGN, align, blob_layout
-from .layout import ExpertLayout, discover_layout, find_experts_modules
+from .destination import StaleDir, check_apart, remove_stale, staging_dir
+from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
 from .packed import MANIFEST, manifest_json, routing_prior
 from .skeleton import build_skeleton, key_renamer
 from .source import SourceCheckpoint
@@ -58,6 +58,7 @@ class PackSummary:
     seconds: float
     skipped_keys: list[str] = field(default_factory=list)
     routing_prior: bool = False
+    removed: list[StaleDir] = field(default_factory=list)  # staging directories of dead packs, removed first
 
     def __str__(self) -> str:
         per = ", ".join(f"{p}: {_human(n)}" for p, n in self.bytes_per_precision.items())
@@ -69,6 +70,10 @@ class PackSummary:
             s += "\n  routing prior: embedded (loads without a routing file rank the experts by it)"
         if self.skipped_keys:
             s += f"\n  skipped {len(self.skipped_keys)} checkpoint keys the model does not use: {self.skipped_keys[:5]}"
+        if self.removed:
+            n = len(self.removed)
+            s += (f"\n  removed {n} staging director{'y' if n == 1 else 'ies'} that packs no longer running left beside the "
+                  f"destination ({_human(sum(r.nbytes for r in self.removed))}): {', '.join(r.path.name for r in self.removed)}")
         return s
 
 
@@ -108,6 +113,10 @@ def _plan(src: SourceCheckpoint, model: torch.nn.Module):
     experts = find_experts_modules(model)
     if not experts:
         raise ValueError(f"model type {model.config.model_type!r} has no experts module that transformers' experts registry drives")
+    for _, module in experts.values():
+        why = unservable(module)
+        if why is not None:
+            raise ValueError(f"{model.config.model_type} ({type(module).__name__}): {why}; Tiers cannot serve this family yet")
     by_module = {name: layer for layer, (name, _) in experts.items()}
     layouts = {layer: discover_layout(mod) for layer, (_, mod) in experts.items()}
     dense_targets = set(model.state_dict().keys())
@@ -207,7 +216,8 @@ def pack(
     device: str | torch.device = "cpu",
     routing: str | Path | Mapping | None = None,
 ) -> PackSummary:
-    """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``.
+    """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``,
+    and always (ValueError) if ``dst`` is ``src``, lies inside it or contains it.
 
     ``routing``: a routing file (``tiers.save_routing``) or its parsed document, embedded in the
     manifest as the checkpoint's routing prior, by which a load without a routing file ranks
@@ -223,6 +233,7 @@ def pack(
     precisions = list(dict.fromkeys(precisions))
     for p in precisions:
         quant.get_scheme(p)  # ValueError naming the unknown precision
+    check_apart(src_path, dst)  # before the exists check, whose hint (--overwrite) would destroy the source here
     if dst.exists() and not overwrite:
         raise FileExistsError(f"destination {str(dst)!r} exists; pass --overwrite (overwrite=True) to replace it")
     source = SourceCheckpoint(src_path)
@@ -233,7 +244,8 @@ def pack(
     if routing is not None:
         prior = routing_prior(routing, {L: layout.num_experts for L, layout in layouts.items()}, str(src_path))
 
-    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    removed = remove_stale(dst)  # a pack killed outright (SIGKILL) left these, each as large as a pack
+    tmp = staging_dir(dst, "tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
@@ -257,7 +269,7 @@ def pack(
             )
         )
         if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+            old = staging_dir(dst, "old")
             dst.rename(old)
             tmp.rename(dst)
             shutil.rmtree(old)
@@ -269,7 +281,7 @@ def pack(
     n_experts = sum(layouts[L].num_experts for L in layouts)
     dense_bytes = sum(f["nbytes"] for f in dense_files.values())
     return PackSummary(dst, n_experts, len(layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0, skipped,
-                       routing_prior=prior is not None)
+                       routing_prior=prior is not None, removed=removed)
 
 
 def _write_dense(source: SourceCheckpoint, dense: dict[str, str], out: Path) -> dict[str, dict]:

@@ -100,6 +100,14 @@ def read_manifest(path: str | Path) -> Manifest:
     return dataclasses.replace(manifest, routing_prior=counts)
 
 
+def _pack_hint(root: Path) -> str:
+    """How to make a packed checkpoint, never suggesting a pack into its own source."""
+    if (root / "config.json").is_file():
+        return (f"it looks like a Hugging Face checkpoint: pack it into a separate directory first, "
+                f"`python tools/pack.py {root} {root}-packed`, and load that")
+    return "pack a Hugging Face checkpoint first with `python tools/pack.py SRC DST` (DST a new directory, apart from SRC) and load DST"
+
+
 def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
     """The manifest without its routing prior, and the manifest's JSON as the file holds it (the
     prior there unchecked)."""
@@ -108,9 +116,7 @@ def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
         raise ValueError(f"packed checkpoint {str(root)!r} is not a directory")
     mpath = root / MANIFEST
     if not mpath.is_file():
-        raise ValueError(
-            f"{str(root)!r} is not a packed checkpoint (no {MANIFEST}); pack it first with `python tools/pack.py SRC {root}`"
-        )
+        raise ValueError(f"{str(root)!r} is not a packed checkpoint (no {MANIFEST}); {_pack_hint(root)}")
     try:
         m = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:

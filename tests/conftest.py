@@ -27,6 +27,10 @@ MODELS = {
                         v_head_dim=8, n_group=1, topk_group=1, num_hidden_layers=4, num_key_value_heads=4),
 }
 
+# A family transformers drives through its experts registry that Tiers cannot serve yet
+# (loader.layout.unservable says why; pack refuses it). Not in MODELS: nothing packs it.
+UNSERVABLE = {"gpt_oss": dict(num_local_experts=8, intermediate_size=48)}
+
 
 def devices() -> list:
     """cpu always; cuda marked, and skipped with a reason where there is none."""
@@ -39,7 +43,7 @@ def device(request) -> torch.device:
 
 
 def tiny_config(model_type: str):
-    kw = {**COMMON, **MODELS[model_type]}
+    kw = {**COMMON, **{**MODELS, **UNSERVABLE}[model_type]}
     return AutoConfig.for_model(model_type, **kw)
 
 

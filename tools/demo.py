@@ -1,10 +1,19 @@
-"""tiers-demo: the whole path on a synthetic MoE: save_pretrained, pack, load through three tiers, generate.
+"""tiers-demo: pack a MoE, load it through three tiers, generate text, and check it against the untiered model.
 
-    python tools/demo.py [--workdir DIR] [--device cuda|cpu] [--tokens 16]
+    python tools/demo.py [--model DIR] [--workdir DIR] [--device cuda|cpu] [--tokens 24] [--no-check]
 
-The model is a small Mixtral-style MoE with random weights built from an embedded config (no
-download). The YAML puts 25% of expert bytes on the GPU, half the experts as INT8 in pinned
-RAM and the rest as INT8 on disk, so every tier serves experts.
+Without --model, the model is a small byte-level Mixtral-style MoE (vocabulary 256: token ids are
+the UTF-8 bytes of the text) with random weights, built from an embedded config (no download), so
+its text is printable noise. --model DIR runs an existing Hugging Face checkpoint directory
+instead, through its tokenizer if the directory has one, else byte-level.
+
+The YAML puts 25% of expert bytes on the GPU, half the experts as INT8 in pinned RAM and the rest
+as INT8 on disk, so every tier serves experts. INT8 changes the numbers, so the exactness check
+loads the same pack once more with every tier in bf16 (BF16_YAML says on what conditions): its
+greedy tokens must equal those of the untiered model (the checkpoint loaded by transformers'
+from_pretrained, with its default experts implementation), or the demo exits with status 1. The
+INT8 run is compared too, as a measure, not a promise. Files go to a temporary directory,
+removed at the end, unless --workdir names one to keep.
 """
 import os
 import sys
@@ -14,15 +23,19 @@ if __name__ == "__main__":  # run as a script: import the repo's packages, not t
     sys.path[:] = [os.path.dirname(_here)] + [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 import argparse  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 DEMO_MODEL = dict(
     model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=1024, max_position_embeddings=512,
+    num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=256, max_position_embeddings=512,
+    bos_token_id=None, eos_token_id=None, pad_token_id=0,  # bytes, not special tokens: generation never stops early
 )
 DEMO_YAML = """\
 tiers:
@@ -30,46 +43,159 @@ tiers:
   cpu:  {fraction: 0.5, precision: int8}
   nvme: {precision: int8}             # everything else
 """
+# The exactness check: every tier in bf16, and the conditions under which Tiers' grouped experts
+# compute what transformers' default grouped_mm does (and in a GPU's decode, its batched_mm), bit
+# for bit: staging slots for a whole layer's experts, and step graphs off (they decode batch-1
+# steps on a static KV cache of their own: close to the untiered model, not bit for bit).
+BF16_YAML = """\
+tiers:
+  gpu:  {{fraction: 0.5, staging_slots: {staging}, step_graphs: false}}
+  cpu:  {{fraction: 0.25, precision: bf16}}
+  nvme: {{precision: bf16}}
+"""
+PROMPT = "Experts live in three tiers:"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tiers-demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", help="where to write the checkpoint, the pack and the YAML (default: a temp dir)")
+    ap.add_argument("--model", help="an existing Hugging Face checkpoint directory (default: a synthetic byte-level MoE)")
+    ap.add_argument("--workdir", help="where to write the checkpoint, the pack and the YAMLs, kept afterwards "
+                    "(default: a temporary directory, removed at the end)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    ap.add_argument("--tokens", type=int, default=16, help="tokens to generate")
+    ap.add_argument("--tokens", type=int, default=24, help="tokens to generate")
+    ap.add_argument("--no-check", action="store_true", help="skip the comparison with the untiered model (which loads "
+                    "the whole model on the device, and a second Tiers model)")
     args = ap.parse_args(argv)
+    if args.model and not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model!r}: no config.json there (expected a save_pretrained directory)")
 
-    from transformers import AutoConfig, AutoModelForCausalLM
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tiers-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        print(f"working in {work}" + ("" if args.workdir else " (a temporary directory, removed at the end)"))
+        return _run(args, work)
+    except (ValueError, OSError) as e:  # a checkpoint pack refuses, a full disk: one line, as tiers-pack says it
+        print(f"tiers-demo: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if args.workdir:
+            print(f"kept in {work}: " + ", ".join(sorted(p.name for p in work.iterdir())))
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+            print(f"removed {work}")
+
+
+def _run(args: argparse.Namespace, work: Path) -> int:
+    from transformers import AutoConfig
 
     import tiers
     from tiers.loader.pack import pack
+    from tiers.loader.packed import read_manifest
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tiers-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    src, dst, yaml_path = work / "hf", work / "packed", work / "tiers.yaml"
+    if args.model:
+        src = Path(args.model)
+        print(f"1. the checkpoint {src}")
+    else:
+        src = _synthetic(work / "hf")
+    encode, decode = _codec(src, AutoConfig.from_pretrained(src).vocab_size)
+    print("2. packing")
+    print(pack(src, work / "packed", precisions=["bf16", "int8"], overwrite=True))
+    (work / "tiers.yaml").write_text(DEMO_YAML)
+    print(f"3. loading through the tiers with {work / 'tiers.yaml'}:\n{DEMO_YAML}")
+    with _tiers_model(work / "packed", work / "tiers.yaml", args.device, progress=True) as model:
+        device = next(model.parameters()).device
+        prompt = torch.tensor([encode(PROMPT)], device=device)  # [1, P]
+        print(f"4. prompt {PROMPT!r} ({prompt.shape[1]} tokens)")
+        t0 = time.perf_counter()
+        int8 = _generate(model, prompt, args.tokens)  # [1, P + tokens]
+        print(f"   generated {args.tokens} tokens on {device} in {time.perf_counter() - t0:.2f} s: {decode(int8)!r}")
+        print("5. tier stats:")
+        print(tiers.stats(model))
+    if args.no_check:
+        return 0
+    staging = max(layer.layout.num_experts for layer in read_manifest(work / "packed").layers.values())
+    (work / "tiers-bf16.yaml").write_text(BF16_YAML.format(staging=staging))
+    with _tiers_model(work / "packed", work / "tiers-bf16.yaml", device, progress=False) as model:
+        exact = _generate(model, prompt, args.tokens)
+        hits = tiers.stats(model).as_dict()["hits"]
+    want = _generate(_untiered(src, device), prompt, args.tokens)
+    print(f"6. {args.tokens} greedy tokens on {device} from the untiered model ({src} through transformers' from_pretrained, "
+          f"its default experts kernels) and from Tiers with every tier in bf16 ({work / 'tiers-bf16.yaml'}; "
+          f"experts served by gpu/cpu/nvme: {hits['gpu']}/{hits['cpu']}/{hits['nvme']}):")
+    print(f"   untiered:                  {decode(want)!r}")
+    print(f"   tiers, every tier in bf16: {decode(exact)!r}")
+    print(f"   matches the untiered model: {_verdict(exact, want, prompt.shape[1])} (bf16 tiers must match token for token)")
+    print(f"   the INT8 tiers of step 4 match it: {_verdict(int8, want, prompt.shape[1])} (INT8 is approximate: it may differ)")
+    return 0 if torch.equal(exact, want) else 1
+
+
+def _verdict(got: torch.Tensor, want: torch.Tensor, p: int) -> str:
+    """yes, or no and how many generated tokens agree before the first difference (either may stop early at EOS)."""
+    if torch.equal(got, want):
+        return "yes"
+    n = min(got.shape[1], want.shape[1])
+    same = int((got[0, p:n] == want[0, p:n]).long().cumprod(0).sum())
+    return f"no, the first {same} of {want.shape[1] - p} tokens agree"
+
+
+def _synthetic(path: Path) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
     kw = dict(DEMO_MODEL)
     config = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(src)
-    print(f"1. wrote a synthetic {config.model_type} MoE ({config.num_hidden_layers} layers x {config.num_local_experts} experts) to {src}")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # larger than the default init: decisive routing, less repetitive text
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+        # an output head that only speaks printable ASCII (bytes 32-126), so its noise prints as text
+        model.lm_head.weight[:32] = 0
+        model.lm_head.weight[127:] = 0
+    model.save_pretrained(path)
+    print(f"1. wrote a synthetic byte-level {config.model_type} MoE ({config.num_hidden_layers} layers x "
+          f"{config.num_local_experts} experts, random weights: its text is printable noise) to {path}")
+    return path
 
-    print("2. packing")
-    print(pack(src, dst, precisions=["bf16", "int8"], overwrite=True))
 
-    yaml_path.write_text(DEMO_YAML)
-    print(f"3. loading through the tiers with {yaml_path}:\n{DEMO_YAML}")
-    model = tiers.load(dst, config=yaml_path, device=args.device)
-    device = next(model.parameters()).device
+def _codec(src: Path, vocab_size: int) -> tuple[Callable[[str], list[int]], Callable[[torch.Tensor], str]]:
+    """(text -> token ids, generated ids [1, P + N] -> the new text): the checkpoint's tokenizer, else UTF-8 bytes."""
+    n = len(PROMPT.encode("utf-8"))
+    if any((src / f).is_file() for f in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
 
-    prompt = torch.randint(0, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1)).to(device)
-    t0 = time.perf_counter()
-    out = model.generate(prompt, max_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
-    dt = time.perf_counter() - t0
-    print(f"4. generated {args.tokens} tokens on {device} in {dt:.2f} s: {out[0, prompt.shape[1]:].tolist()}")
-    print("5. tier stats:")
-    print(tiers.stats(model))
-    return 0
+        tok = AutoTokenizer.from_pretrained(src)
+        n = len(tok(PROMPT)["input_ids"])
+        return (lambda text: tok(text)["input_ids"]), (lambda ids: tok.decode(ids[0, n:].tolist(), skip_special_tokens=True))
+    if vocab_size < 256:
+        raise ValueError(f"{src} has no tokenizer and a vocabulary of {vocab_size} (< 256), so it is not byte-level")
+    return (lambda text: list(text.encode("utf-8"))), (lambda ids: bytes(i for i in ids[0, n:].tolist() if i < 256).decode("utf-8", "replace"))
+
+
+def _generate(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Greedy ids [1, P + tokens]."""
+    pad = model.generation_config.pad_token_id
+    return model.generate(prompt, max_new_tokens=tokens, do_sample=False, pad_token_id=0 if pad is None else pad).cpu()
+
+
+def _untiered(src: Path, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device).eval()
+
+
+@contextmanager
+def _tiers_model(packed: Path, yaml_path: Path, device, *, progress: bool) -> Iterator[torch.nn.Module]:
+    """A Tiers model, its readers and threads stopped on the way out (before its files are removed)."""
+    import tiers
+    from tiers.integration import manager_of
+
+    model = tiers.load(packed, config=yaml_path, device=device, progress=progress)
+    try:
+        yield model
+    finally:
+        manager_of(model).close()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,23 @@ if __name__ == "__main__":  # run as a script: import the repo's packages, not t
 
 import argparse  # noqa: E402
 
+import yaml  # noqa: E402
+
 from tiers.loader.pack import DEFAULT_PRECISIONS, pack  # noqa: E402
 from tiers.loader.packed import set_routing_prior  # noqa: E402
 from tiers.config import load_config, precisions_needed  # noqa: E402
+
+# What a user can cause and fix (a bad path, config or routing file, a full disk, a read-only
+# directory): one line on stderr and exit status 2. Anything else is a bug and keeps its traceback.
+EXPECTED_ERRORS = (ValueError, OSError, yaml.YAMLError)  # OSError: FileExistsError, FileNotFoundError, PermissionError, ENOSPC
+
+
+def _error(e: BaseException, context: str) -> int:
+    msg = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
+    if isinstance(e, OSError) and e.filename is None:
+        msg += f" ({context})"  # e.g. a full disk's ENOSPC names no file
+    print(f"tiers-pack: error: {msg}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,9 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--set-routing and --clear-routing take one packed checkpoint and nothing else to pack")
         try:
             manifest = set_routing_prior(args.src, None if args.clear_routing else args.set_routing)
-        except ValueError as e:
-            print(f"tiers-pack: error: {e}", file=sys.stderr)
-            return 2
+        except EXPECTED_ERRORS as e:
+            return _error(e, f"changing the routing prior of {args.src}")
         what = "removed" if manifest.routing_prior is None else f"embedded, counting {len(manifest.routing_prior)} MoE layers"
         print(f"{manifest.root}: routing prior {what}")
         return 0
@@ -49,15 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("the following arguments are required: dst")
     precisions = list(DEFAULT_PRECISIONS)
     if args.config:
-        precisions = precisions_needed(load_config(args.config))
-    if args.precisions:
-        precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
+        try:
+            precisions = precisions_needed(load_config(args.config))
+        except EXPECTED_ERRORS as e:
+            return _error(e if args.config in str(e) else ValueError(f"--config {args.config!r}: {e}"), f"reading {args.config}")
     try:
+        if args.precisions:
+            precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
         summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device,
                        routing=args.routing)
-    except (ValueError, FileExistsError, FileNotFoundError) as e:
-        print(f"tiers-pack: error: {e}", file=sys.stderr)
-        return 2
+    except EXPECTED_ERRORS as e:
+        return _error(e, f"packing {args.src} into {args.dst}")
     print(summary)
     return 0
 

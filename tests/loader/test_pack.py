@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -15,7 +18,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from tiers import quant
-from conftest import MODELS, tiny_config
+from conftest import MODELS, save_tiny, tiny_config
+from tiers.loader.destination import StaleDir
 from tiers.loader.layout import ExpertKey, find_experts_modules
 from tiers.loader.pack import pack
 from tiers.loader.packed import MANIFEST, read_manifest
@@ -261,3 +265,136 @@ def test_unknown_precision_is_refused_before_writing(checkpoint_factory, tmp_pat
     with pytest.raises(ValueError, match="fp4"):
         pack(checkpoint_factory("qwen3_moe"), dst, precisions=("bf16", "fp4"), progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+# -- destination apart from the source -------------------------------------------------------
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("relation", ["same", "same_through_dotdot", "same_through_symlink", "inside", "contains"])
+def test_destination_overlapping_the_source_is_refused_even_with_overwrite(relation, checkpoint_factory, tmp_path):
+    outer = tmp_path / "outer"
+    src = outer / "src"
+    shutil.copytree(checkpoint_factory("qwen3_moe"), src)
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    dst = {
+        "same": src,
+        "same_through_dotdot": outer / "elsewhere" / ".." / "src",
+        "same_through_symlink": tmp_path / "link",
+        "inside": src / "packed",
+        "contains": outer,
+    }[relation]
+    before = _snapshot(outer)
+    with pytest.raises(ValueError) as e:
+        pack(src, dst, overwrite=True, progress=False)
+    msg = str(e.value)
+    assert repr(str(dst)) in msg and repr(str(src)) in msg, msg
+    what = {"inside": "lies inside the source", "contains": "contains the source"}.get(relation, "is the source")
+    assert f"{what} " in msg and "pack into a separate directory" in msg
+    assert _snapshot(outer) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "outer"]
+
+
+def test_destination_beside_the_source_is_packed(checkpoint_factory, tmp_path):
+    """A sibling whose name starts with the source's (``src`` and ``src-packed``) is apart from it."""
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint_factory("qwen3_moe"), src)
+    pack(src, tmp_path / "src-packed", precisions=("bf16",), progress=False)
+    assert read_manifest(tmp_path / "src-packed").precisions == ("bf16",)
+
+
+def test_unpacked_directory_hint_names_a_separate_destination(checkpoint_factory, tmp_path):
+    src = checkpoint_factory("qwen3_moe")
+    with pytest.raises(ValueError, match="not a packed checkpoint") as e:
+        read_manifest(src)
+    assert f"`python tools/pack.py {src} {src}-packed`" in str(e.value)
+    with pytest.raises(ValueError, match="not a packed checkpoint") as e:
+        read_manifest(tmp_path)
+    assert "DST a new directory, apart from SRC" in str(e.value)
+
+
+# -- staging directories of dead packs -------------------------------------------------------
+DEAD_PID = 2**22 + 1  # above Linux's PID_MAX_LIMIT (2**22): no process can have it
+
+
+def _staging(parent: Path, name: str, files: dict[str, int]) -> Path:
+    d = parent / name
+    for rel, size in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        with open(d / rel, "wb") as f:
+            f.truncate(size)
+    return d
+
+
+@pytest.mark.skipif(os.name != "posix", reason="PIDs are probed with signal 0, a POSIX call")
+def test_stale_staging_of_dead_packs_is_removed_and_reported(checkpoint_factory, tmp_path):
+    dst = tmp_path / "packed"
+    dead_tmp = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"experts/bf16/layer-0000.safetensors": 3 << 20, "config.json": 1 << 19})
+    dead_old = _staging(tmp_path, f".packed.old-{DEAD_PID}", {"manifest.json": 1 << 20})
+    own = _staging(tmp_path, f".packed.old-{os.getpid()}", {"manifest.json": 10})  # this (running) process's
+    other = _staging(tmp_path, f".other.tmp-{DEAD_PID}", {"x": 10})  # another destination's
+    odd = _staging(tmp_path, ".packed.tmp-notapid", {"x": 10})
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as child:
+        try:
+            live = _staging(tmp_path, f".packed.tmp-{child.pid}", {"x": 10})  # a pack still running
+            summary = pack(checkpoint_factory("qwen3_moe"), dst, precisions=("bf16",), progress=False)
+        finally:
+            child.kill()
+    assert summary.removed == [StaleDir(dead_old, DEAD_PID, 1 << 20), StaleDir(dead_tmp, DEAD_PID, (3 << 20) + (1 << 19))]
+    assert not dead_tmp.exists() and not dead_old.exists()
+    assert all(d.is_dir() for d in (own, other, odd, live))
+    assert read_manifest(dst).precisions == ("bf16",)
+    text = str(summary)
+    assert f"removed 2 staging directories that packs no longer running left beside the destination (4.5 MiB): " \
+           f".packed.old-{DEAD_PID}, .packed.tmp-{DEAD_PID}" in text
+
+
+def test_pack_without_stale_staging_reports_none(checkpoint_factory, tmp_path):
+    summary = pack(checkpoint_factory("qwen3_moe"), tmp_path / "packed", precisions=("bf16",), progress=False)
+    assert summary.removed == [] and "staging" not in str(summary)
+
+
+def test_stale_staging_is_left_when_the_pack_is_refused(checkpoint_factory, tmp_path):
+    """A pack that refuses its arguments changes nothing on disk, stale directories included."""
+    dst = tmp_path / "packed"
+    dst.mkdir()
+    dead = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"x": 10})
+    with pytest.raises(FileExistsError):
+        pack(checkpoint_factory("qwen3_moe"), dst, progress=False)
+    assert dead.is_dir()
+
+
+# -- families Tiers cannot serve -------------------------------------------------------------
+GPT_OSS_REFUSAL = (
+    "gpt_oss (GptOssExperts): its experts have no act_fn (they gate through their own _apply_gate), which Tiers' grouped "
+    "experts forward (tiers.gpu.compute: grouped, the default) reads from every experts module; Tiers cannot serve this family yet"
+)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory) -> Path:
+    return save_tiny("gpt_oss", tmp_path_factory.mktemp("hf-gpt_oss"))
+
+
+def test_gpt_oss_is_refused_before_anything_is_written(gpt_oss_checkpoint, tmp_path):
+    assert json.loads((gpt_oss_checkpoint / "config.json").read_text())["model_type"] == "gpt_oss"
+    stale = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"x": 10})
+    with pytest.raises(ValueError) as e:
+        pack(gpt_oss_checkpoint, tmp_path / "packed", overwrite=True, progress=False)
+    assert str(e.value) == GPT_OSS_REFUSAL
+    assert [p.name for p in tmp_path.iterdir()] == [stale.name]
+
+
+def test_gpt_oss_refusal_names_the_failure_a_pack_would_meet(gpt_oss_checkpoint, tmp_path, monkeypatch):
+    """The reason is real: packed past the check, GPT-OSS loads, then its first forward fails on
+    the act_fn the reason names. (When the forwards stop needing it, this fails: update
+    ``unservable`` with them.)"""
+    import tiers
+
+    monkeypatch.setattr(pack_module, "unservable", lambda module: None)
+    dst = tmp_path / "packed"
+    pack(gpt_oss_checkpoint, dst, progress=False)
+    model = tiers.load(dst, device="cpu", progress=False)
+    with pytest.raises(AttributeError, match="'GptOssExperts' object has no attribute 'act_fn'"):
+        model(torch.tensor([[1, 2, 3]]))

@@ -1,15 +1,19 @@
 """tools/pack.py and tools/inspect.py: the command-line front ends."""
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import save_tiny
 from tiers.loader.packed import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,6 +56,51 @@ def test_pack_main_existing_dst_without_overwrite(checkpoint_factory, tmp_path, 
     assert read_manifest(dst).precisions == ("bf16", "int8")  # --precisions adds to the defaults
 
 
+
+def test_pack_main_into_its_own_source_is_refused(checkpoint_factory, tmp_path, capsys):
+    src = tmp_path / "hf"
+    shutil.copytree(checkpoint_factory(MODEL), src)
+    before = sorted(p.name for p in src.iterdir())
+    capsys.readouterr()  # the fixture's own output
+    rc = pack_cli.main([str(src), str(src), "--quiet", "--overwrite"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("tiers-pack: error: ")
+    assert f"destination {str(src)!r} is the source {str(src)!r}" in err and "pack into a separate directory" in err
+    assert sorted(p.name for p in src.iterdir()) == before and not (src / "manifest.json").exists()
+
+
+# A pack killed outright once it has written one MoE layer: no finally runs, as under SIGKILL.
+KILLED_PACK = """
+import importlib, os, signal, sys
+pack_module = importlib.import_module("tiers.loader.pack")
+real = pack_module._write_experts
+def killed(source, experts, *args):
+    real(source, dict(list(experts.items())[:1]), *args)
+    os.kill(os.getpid(), signal.SIGKILL)
+pack_module._write_experts = killed
+pack_module.pack(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGKILL and PID probes are POSIX")
+def test_pack_main_removes_what_a_killed_pack_left(checkpoint_factory, tmp_path, capsys):
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([sys.executable, "-c", KILLED_PACK, str(src), str(dst)], env=env, stderr=subprocess.PIPE, text=True) as proc:
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL, err
+    (left,) = tmp_path.iterdir()
+    assert left.name == f".packed.tmp-{proc.pid}" and (left / "experts" / "int8" / "layer-0000.safetensors").is_file()
+    nbytes = sum(p.stat().st_size for p in left.rglob("*") if p.is_file())
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert (f"removed 1 staging directory that packs no longer running left beside the destination "
+            f"({nbytes / 2**20:.1f} MiB): .packed.tmp-{proc.pid}") in out
+    assert [p.name for p in tmp_path.iterdir()] == ["packed"]
+
+
 @pytest.mark.parametrize(
     "yaml_text, expected",
     [
@@ -88,6 +137,97 @@ def test_pack_main_bad_config_and_source(tmp_path, capsys, checkpoint_factory):
     assert rc == 2
     assert str(bad) in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _one_error_line(err: str) -> str:
+    """The message of a clean CLI error: exactly one line, no traceback."""
+    assert err.count("\n") == 1 and err.startswith("tiers-pack: error: "), err
+    return err[len("tiers-pack: error: "):].rstrip("\n")
+
+
+@pytest.mark.parametrize(
+    "config, names",
+    [
+        (None, ["does not exist"]),  # a --config naming no file
+        ("tiers:\n  gpu: {fraction: 0.5, colour: red}\n", ["tiers.gpu.colour: unknown key"]),
+        ("tiers:\n  wrong: {}\n", ["tiers.wrong: unknown key"]),
+        ("tiers: [\n", ["is not valid YAML"]),
+        ("tiers:\n  cpu: {precision: fp4}\n", ["fp4"]),
+    ],
+    ids=["missing", "unknown_key", "unknown_tier", "bad_yaml", "unknown_precision"],
+)
+def test_pack_main_bad_config_is_one_line(config, names, checkpoint_factory, tmp_path, capsys):
+    src = checkpoint_factory(MODEL)
+    cfg = tmp_path / "tiers.yaml"
+    if config is not None:
+        cfg.write_text(config)
+    capsys.readouterr()
+    rc = pack_cli.main([str(src), str(tmp_path / "out"), "--config", str(cfg), "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    msg = _one_error_line(err)
+    assert str(cfg) in msg and all(n in msg for n in names), msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["tiers.yaml"] if config is not None else [])
+
+
+def test_pack_main_missing_routing_file_is_one_line(checkpoint_factory, tmp_path, capsys):
+    capsys.readouterr()
+    missing = tmp_path / "routing.json"
+    assert pack_cli.main([str(checkpoint_factory(MODEL)), str(tmp_path / "out"), "--routing", str(missing), "--quiet"]) == 2
+    assert str(missing) in _one_error_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into a read-only directory anyway")
+def test_pack_main_read_only_parent_is_one_line(checkpoint_factory, tmp_path, capsys):
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    parent.chmod(0o555)
+    try:
+        capsys.readouterr()
+        assert pack_cli.main([str(checkpoint_factory(MODEL)), str(parent / "packed"), "--quiet"]) == 2
+        msg = _one_error_line(capsys.readouterr().err)
+    finally:
+        parent.chmod(0o755)
+    assert "Permission denied" in msg and str(parent) in msg
+    assert list(parent.iterdir()) == []
+
+
+def test_pack_main_os_errors_are_one_line(checkpoint_factory, tmp_path, capsys, monkeypatch):
+    """Simulated (root ignores permissions, and no test should fill a disk): a read-only
+    directory refusing the staging directory, then a full disk while writing dense weights."""
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    real_mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.parent == tmp_path:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_mkdir(self, *args, **kwargs)
+
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(Path, "mkdir", read_only)
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg == f"[Errno {errno.EACCES}] Permission denied: '{tmp_path / f'.packed.tmp-{os.getpid()}'}'"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(importlib.import_module("tiers.loader.pack"), "_write_dense", full)
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg == f"[Errno {errno.ENOSPC}] No space left on device (packing {src} into {dst})"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_unservable_family_is_one_line(tmp_path, capsys):
+    src = save_tiny("gpt_oss", tmp_path / "hf")
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(tmp_path / "packed"), "--quiet"]) == 2
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg.startswith("gpt_oss (GptOssExperts): its experts have no act_fn") and msg.endswith("Tiers cannot serve this family yet")
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
 def test_pack_main_routing_prior_at_pack_time_then_set_and_cleared(checkpoint_factory, tmp_path, capsys):
