@@ -164,22 +164,22 @@ def discover_layout(module: torch.nn.Module) -> ExpertLayout:
 def unservable(module: torch.nn.Module) -> str | None:
     """Why Tiers' experts forwards cannot serve ``module`` (None: they can).
 
-    What the forwards read (``tiers_experts_forward``, and ``_run_windows`` over a slot proxy of
-    the module): the expert tensors ``gate_up_proj`` then the module's ``_apply_gate`` when
-    ``has_gate`` (else ``up_proj`` then ``act_fn``), then ``down_proj``; ``<tensor>_bias`` of
-    each when ``has_bias``; ``is_transposed`` for the side of each product; ``post_expert_norm``
-    when ``has_post_expert_norm``. The grouped forward's proxy copies ``has_gate``, ``has_bias``,
-    ``is_transposed``, ``is_concatenated`` and ``act_fn`` from every module, gated or not, so a
-    module without ``act_fn`` fails at its first call. An expert tensor beyond these would be
-    packed but left out of the computation.
+    What the forwards read (transformers' grouped_mm and batched_mm forwards, and
+    ``tiers.paths.compute.run_windows``, over a slot proxy of the module): the expert tensors
+    ``gate_up_proj`` then the module's ``_apply_gate`` when ``has_gate`` (else ``up_proj`` then
+    ``act_fn``), then ``down_proj``; ``<tensor>_bias`` of each when ``has_bias``;
+    ``is_transposed`` for the side of each product; ``post_expert_norm`` when
+    ``has_post_expert_norm``. The proxy copies ``has_gate``, ``has_bias``, ``is_transposed``,
+    ``is_concatenated`` and ``act_fn`` from every module, gated or not, so a module without
+    ``act_fn`` would fail at its first call. An expert tensor beyond these would be packed but
+    left out of the computation.
     """
     if not is_experts_module(module):
         return "it is not an experts module of transformers' use_experts_implementation (no num_experts, has_gate or is_transposed)"
     gated = bool(module.has_gate)
     if not callable(getattr(module, "act_fn", None)):
         gate = " (they gate through their own _apply_gate)" if gated else ""
-        return (f"its experts have no act_fn{gate}, which Tiers' grouped experts forward (tiers.gpu.compute: grouped, "
-                f"the default) reads from every experts module")
+        return f"its experts have no act_fn{gate}, which Tiers' experts forward reads from every experts module"
     if gated and not callable(getattr(module, "_apply_gate", None)):
         return "its experts have a gate (has_gate) but no _apply_gate to apply it"
     if getattr(module, "has_post_expert_norm", False) and not callable(getattr(module, "post_expert_norm", None)):
@@ -206,12 +206,3 @@ def find_experts_modules(model: torch.nn.Module) -> dict[int, tuple[str, torch.n
             raise ValueError(f"two experts modules claim layer {layer}: {found[layer][0]} and {name}")
         found[layer] = (name, module)
     return dict(sorted(found.items()))
-
-
-def unservable(module: torch.nn.Module) -> str | None:
-    """Why Tiers' experts forward cannot serve this experts module, or None when it can: it runs
-    transformers' grouped_mm and batched_mm forwards, which read these attributes of the module."""
-    missing = [a for a in ("has_gate", "has_bias", "is_transposed", "act_fn", "_apply_gate") if not hasattr(module, a)]
-    if missing:
-        return f"its experts module has no {', '.join(missing)} (a gate function of its own); Tiers cannot serve this family yet"
-    return None

@@ -30,8 +30,8 @@ def test_gpt_oss_experts_are_unservable():
     for _, mod in experts.values():
         assert type(mod).__name__ == "GptOssExperts" and not hasattr(mod, "act_fn")
         assert unservable(mod) == (
-            "its experts have no act_fn (they gate through their own _apply_gate), which Tiers' grouped experts "
-            "forward (tiers.gpu.compute: grouped, the default) reads from every experts module"
+            "its experts have no act_fn (they gate through their own _apply_gate), which Tiers' experts forward reads from "
+            "every experts module"
         )
 
 

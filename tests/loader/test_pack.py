@@ -367,8 +367,8 @@ def test_stale_staging_is_left_when_the_pack_is_refused(checkpoint_factory, tmp_
 
 # -- families Tiers cannot serve -------------------------------------------------------------
 GPT_OSS_REFUSAL = (
-    "gpt_oss (GptOssExperts): its experts have no act_fn (they gate through their own _apply_gate), which Tiers' grouped "
-    "experts forward (tiers.gpu.compute: grouped, the default) reads from every experts module; Tiers cannot serve this family yet"
+    "gpt_oss (GptOssExperts): its experts have no act_fn (they gate through their own _apply_gate), which Tiers' experts "
+    "forward reads from every experts module; Tiers cannot serve this family yet"
 )
 
 
