@@ -195,7 +195,7 @@ def main() -> int:
     args = ap.parse_args()
 
     import tiers
-    from tiers.tools.bench import rebalance_warmup_generates
+    from tiers.tools.bench_tiers import rebalance_warmup_generates
     from tiers.engine import TierManager
     from tiers.integration import manager_of
     from tiers.tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of, write_result

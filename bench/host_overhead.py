@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/host_overhead.json")
     args = ap.parse_args(argv)
     from tiers.loader.pack import pack
-    from tiers.tools.bench import build
+    from tiers.tools.measure import build
 
     torch.set_num_threads(1)  # host overhead, not intra-op parallelism of tiny kernels
     from tiers.tools.measure import scratch_dir, write_result

@@ -24,7 +24,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from tiers.tools.bench import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
+from tiers.tools.bench_bounds import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
 
 # streamed calls, through direct stacks, then staging the next layer ahead (TierManager attributes)
 SETTINGS = {"streamed": (True, False, False), "streamed_direct": (True, True, False), "streamed_ahead": (True, False, True),

@@ -69,7 +69,7 @@ import statistics  # noqa: E402
 
 import torch  # noqa: E402
 
-from tiers.tools.bench import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
+from tiers.tools.bench_bounds import H2D_BYTES_PER_S  # noqa: E402  (the bench's bounds use the same rate)
 from tiers.tools.timeline import Marks, hook_layers, marking, split  # noqa: E402
 
 

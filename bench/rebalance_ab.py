@@ -27,7 +27,7 @@ def run(tokens: int, every: int, fractions=(0.25, 0.5), seed: int = 0) -> dict:
     import tiers
     from tiers.loader.pack import pack
     from tiers.integration import manager_of
-    from tiers.tools.bench import build
+    from tiers.tools.measure import build
     from tiers.tools.routing import TraceRouting
 
     from tiers.tools.measure import scratch_dir, write_result

@@ -1,6 +1,6 @@
 """Decode overhead per repetition for bench results already written: per arm, the median over
 repetitions of its ms/token less its paired all-GPU model's in the same repetition, and that over
-the arm's bytes bound (``tools.bench.rep_overhead_ms``; results from before the bench kept each
+the arm's bytes bound (``tools.bench_bounds.rep_overhead_ms``; results from before the bench kept each
 repetition are skipped).
 
     python bench/rep_overhead.py bench/results/bench-qwen3_moe-run27.json [...]
@@ -16,7 +16,7 @@ import sys
 if __name__ == "__main__":  # run as a script: import the repo's packages
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tiers.tools.bench import bytes_bound_ms, rep_overhead_ms  # noqa: E402
+from tiers.tools.bench_bounds import bytes_bound_ms, rep_overhead_ms  # noqa: E402
 
 
 def rows(path: str) -> list[str]:
