@@ -31,12 +31,13 @@ tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
 (``tiers.trace.TraceModel``). The offload table holds each offloaded Tiers arm's largest decode
 overhead over its statistics against accelerate's and naive lazy's (``bench_bounds.offload_overheads``).
-Writes ``bench-<model>.json`` and ``.md`` under ``--out``; ``--report FILE.json`` runs nothing and
-writes that JSON's Markdown again, its figures derived by this version.
+Writes ``bench-<model>.json``, ``.md`` and ``.png`` (decode ms/token per arm against its bytes bound;
+needs matplotlib, the ``bench`` extra) under ``--out``; ``--report FILE.json`` runs nothing and writes
+that JSON's Markdown and plot again, its figures derived by this version.
 
 The run itself is ``tools.bench_run``; a Tiers arm's measurement ``tools.bench_tiers``; the arm
 names ``tools.bench_arms``; the derived figures ``tools.bench_bounds``; the report
-``tools.bench_report``; every access to the runtime's internals
+``tools.bench_report`` and ``tools.bench_plot``; every access to the runtime's internals
 ``tools.bench_runtime``.
 """
 import os
@@ -53,6 +54,7 @@ from pathlib import Path  # noqa: E402
 from tiers import TiersConfig  # noqa: E402
 from tiers.tools.bench_arms import order_error  # noqa: E402
 from tiers.tools.bench_bounds import add_bounds  # noqa: E402
+from tiers.tools.bench_plot import plot  # noqa: E402
 from tiers.tools.bench_report import markdown  # noqa: E402
 from tiers.tools.bench_run import run  # noqa: E402
 from tiers.tools.bench_runtime import POLICIES, direct_decode_bound, direct_decode_bytes  # noqa: E402
@@ -103,10 +105,10 @@ def parser() -> argparse.ArgumentParser:
                          "(default: the library's TierManager.DECODE_BYTES)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
-    ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json and .md")
+    ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json, .md and .png")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run of the harness")
     ap.add_argument("--report", metavar="JSON",
-                    help="run nothing: rewrite the Markdown beside this bench JSON from it (figures derived again); also the "
+                    help="run nothing: rewrite the Markdown and the plot beside this bench JSON from it (figures derived again); also the "
                          "partial JSON of a run that did not finish")
     return ap
 
@@ -128,8 +130,8 @@ def check(ap: argparse.ArgumentParser, args) -> None:
 
 
 def report(path: Path) -> int:
-    """``--report``: the Markdown of a bench JSON written by this tool, its bounds and summaries
-    derived again, next to it (the JSON itself is left as it is)."""
+    """``--report``: the Markdown and the plot of a bench JSON written by this tool, its bounds and
+    summaries derived again, next to it (the JSON itself is left as it is)."""
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -138,6 +140,7 @@ def report(path: Path) -> int:
         sys.exit(f"--report {path}: not a bench JSON (no 'arms' or 'command')")
     md = markdown(add_bounds(result))
     path.with_suffix(".md").write_text(md)
+    plot(result, path.with_suffix(".png"))
     print(md)
     return 0
 
@@ -163,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     write_result(out / f"{stem}.json", result)
     md = markdown(result)
     (out / f"{stem}.md").write_text(md)
+    plot(result, out / f"{stem}.png")
     (out / f"bench-{args.model}.partial.json").unlink(missing_ok=True)
     print(md)
     return 0

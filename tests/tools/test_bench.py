@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -59,6 +60,8 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     assert r["arms"]["tiers_100_bf16"]["interleaved"]["overhead_over_bytes_bound"] is None  # nothing moved: no ratio
     md = (tmp_path / "bench-mixtral-tiny.md").read_text()
     assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md and "Decode interleaved step by step" in md
+    # the plot beside the Markdown, where matplotlib (the bench extra) is installed
+    assert (tmp_path / "bench-mixtral-tiny.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
     # each timed step's host work, the arm's and the pair's; the pair's fastest and slowest block in the Markdown
     for u in (il["arm_usage"], il["pair_usage"]):
         assert set(u) == {"host_ms", "cpu_ms", "sys_ms", "faults", "preempted"} and all(len(v) == 16 for v in u.values())
