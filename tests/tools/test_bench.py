@@ -215,35 +215,6 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()
 
 
-def test_rebalance_ab_reports_both_arms():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("rebalance_ab", Path(__file__).parents[2] / "bench" / "rebalance_ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
-    r = ab.run(tokens=24, every=4, fractions=(0.5,))
-    off, on = r["arms"]
-    assert (off["rebalance_every_tokens"], on["rebalance_every_tokens"]) == (0, 4)
-    assert off["rebalance"] == {} and on["rebalance"]["rebalances"] > 0
-    assert 0.0 <= off["gpu_hit_rate"] <= 1.0 and 0.0 <= on["gpu_hit_rate"] <= 1.0
-
-
-def test_cache_bound_orders_the_policies():
-    """The oracle (next uses known, the current call protected) sits between the forecast and
-    Belady's MIN, which no demand-paging policy beats."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("cache_bound", Path(__file__).parents[2] / "bench" / "cache_bound.py")
-    cb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cb)
-    row = cb.measure("mixtral", tokens=48)
-    r = row["over_belady"]
-    assert r["forecast"] <= r["oracle"] <= 1.0
-    assert 0 < row["belady_hit_rate"] <= 1 and row["capacity"] == 16
-
-
 def _spy_generates(monkeypatch) -> list[tuple[str, int | None]]:
     """Every ``generate`` from here on, in order: ("tiers" or "gpu", its max_new_tokens)."""
     from transformers import GenerationMixin

@@ -1,6 +1,6 @@
 """Where a decode token's time goes, without a profiler: host time against device time.
 
-    python bench/decode_split.py [--model qwen3_moe] [--layers 6] [--tokens 16]
+    python experiments/decode_split.py [--model qwen3_moe] [--layers 6] [--tokens 16]
                                  [--arms all_gpu,tiers_100_bf16,tiers_50_int8,tiers_50_int8-nodirect] --out FILE
 
 A profiler slows the host two-fold, which moves a decode step from one regime to another (the
@@ -20,7 +20,7 @@ decode token:
   ``fetch_direct``) and, within ``fetch_direct``, in the kernel launch (``launch``).
 
 When ``host_forward_ms`` is close to ``token_ms`` the host bounds decode and a faster GPU path
-would not show; otherwise the device does. Arms are as in ``bench/profile_arms.py``;
+would not show; otherwise the device does. Arms are as in ``bench/profile_arms.py`` (a probe since deleted, in git history);
 ``-nodirect`` turns direct reads (and so direct decode) off; ``@skewed`` routes by the bench's
 skewed trace, with the rebalancer on (every ``--rebalance-every`` tokens; its serving-thread
 steps are timed as ``host_rebalancer.<step>_ms``, ``host_take_direct_usage_ms`` and
@@ -207,7 +207,7 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=g).to(device)
     arms = args.arms.split(",")
-    result = {"command": "python bench/decode_split.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
+    result = {"command": "python experiments/decode_split.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "arms": {},
               # the host the serving thread shares with the arm's other threads
               "host": {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

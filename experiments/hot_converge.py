@@ -1,6 +1,6 @@
 """How fast and how close the rebalancer brings the hot set to a skewed trace's popular experts.
 
-    python bench/hot_converge.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
+    python experiments/hot_converge.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
                                  [--fractions 0.25,0.5] [--configs 2:4:0,auto:64,8:64:3:8] [--generates 24]
                                  [--tokens 33] [--every 8] [--reload N] --out FILE
 
@@ -125,7 +125,7 @@ def main() -> int:
     configs = parse_configs(args.configs)
     device = torch.device(args.device)
     shape, packed, budget = build_counts_model(args, "tiers-converge-")
-    result = {"command": "python bench/hot_converge.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
+    result = {"command": "python experiments/hot_converge.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
               "every_tokens": args.every, "tokens_per_generate": args.tokens, "runs": []}
     for f in fractions:
         for (buffers, window, significance, max_moves), spec in zip(configs, args.configs.split(",")):

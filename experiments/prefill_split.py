@@ -1,6 +1,6 @@
 """Where a long prompt's prefill time goes, without a profiler: the copy engine's busy time and gaps.
 
-    python bench/prefill_split.py [--model qwen3_moe] [--layers 12] [--prefill 2048] [--reps 3]
+    python experiments/prefill_split.py [--model qwen3_moe] [--layers 12] [--prefill 2048] [--reps 3]
                                   [--configs int8:auto:0:0.25,int8:auto:0:0.5] --out FILE
 
 A profiler slows the host about two-fold, which changes whether the copy engine waits on Python
@@ -168,8 +168,8 @@ def main() -> int:
 
     import tiers
     import tiers.integration as integration
-    from bench.decode_split import Steps
-    from bench.hot_layout import layout_summary
+    from experiments.decode_split import Steps
+    from experiments.hot_layout import layout_summary
     from tiers.quant import int8 as int8_scheme
     from tiers.integration import manager_of
     from tiers.tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
@@ -182,7 +182,7 @@ def main() -> int:
     plain, packed = build_packed(args.model, args.layers, device, work)
     ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
     prompt = ids[:, :16]  # the rebal routes' decode generates
-    result = {"command": "python bench/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
+    result = {"command": "python experiments/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
               "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
     prefill_seconds(plain, ids, device, 1)

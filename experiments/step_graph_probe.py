@@ -1,6 +1,6 @@
 """Can transformers' whole decode step be captured as one CUDA graph, and what would it save?
 
-    python bench/step_graph_probe.py [--models qwen3_moe,mixtral] [--layers 12,8] [--tokens 32] --out FILE
+    python experiments/step_graph_probe.py [--models qwen3_moe,mixtral] [--layers 12,8] [--tokens 32] --out FILE
 
 For each model (random weights, real shapes, every expert on the GPU, batch 1) this times:
 
@@ -177,7 +177,7 @@ def main() -> None:
     args = ap.parse_args()
     import transformers
 
-    result = {"command": "python bench/step_graph_probe.py " + " ".join(sys.argv[1:]),
+    result = {"command": "python experiments/step_graph_probe.py " + " ".join(sys.argv[1:]),
               "transformers": transformers.__version__, "torch": torch.__version__,
               "device": torch.cuda.get_device_name(), "models": {}}
     for m, n in zip(args.models.split(","), (int(x) for x in args.layers.split(","))):

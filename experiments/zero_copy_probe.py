@@ -5,7 +5,7 @@ engine (one copy per expert into a transit row, then a multiply into the slot).
 Prints JSON: GPU time and GB/s of each path for n experts of a shape, exactness of the fused
 result against the copy path, and the host time of one launch.
 
-    python bench/zero_copy_probe.py --out results.json
+    python experiments/zero_copy_probe.py --out results.json
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Where does a decode step's extra time go when two all-GPU models step in turn? One condition
-per fresh process (the effect ``interleave_probe.py`` found shows in a process's first
+per fresh process (the effect ``bench/interleave_probe.py``, since deleted, found shows in a process's first
 interleaved run only), each step of each model recorded with what could explain it:
 
 - its wall time to the forward's return and to the device sync after it, and the serving
@@ -14,7 +14,7 @@ interleaved run only), each step of each model recorded with what could explain 
 and, for ``--profile`` steps from ``--profile-from`` on, the functions that took the forward's
 time (``cProfile``, by own time, the top 12).
 
-    python bench/step_probe.py [--model mixtral] [--layers 8] [--steps 96] [--order alternate|blocks]
+    python experiments/step_probe.py [--model mixtral] [--layers 8] [--steps 96] [--order alternate|blocks]
         [--gc on|off] [--cudnn-sdpa on|off] [--profile 8] [--profile-from 40] --out FILE
 """
 import os
@@ -151,7 +151,7 @@ def main() -> int:
                        "cpu_ms_median": statistics.median(r["cpu_ms"] for r in rs),
                        "faults_mean": statistics.fmean(r["faults"] for r in rs),
                        "gc_ms_sum": round(sum(sum(r["gc_ms"]) for r in rs), 3)}
-    result = {"command": "python bench/step_probe.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
+    result = {"command": "python experiments/step_probe.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
               "torch": torch.__version__, "summary": by, "steps": steps, "profiles": profiles}
     print(by, flush=True)
     for p in profiles[:4]:

@@ -1,6 +1,6 @@
 """How fast the host computes one token through an expert, against how fast the expert crosses PCIe.
 
-    python bench/cpu_expert_probe.py [--shapes mixtral,qwen3_moe] [--threads 4,8,15,16] [--experts 8]
+    python experiments/cpu_expert_probe.py [--shapes mixtral,qwen3_moe] [--threads 4,8,15,16] [--experts 8]
                                      [--reps 10] --out FILE
 
 For each expert shape (hidden H, intermediate I, gate and up fused as transformers keeps them),
@@ -112,7 +112,7 @@ def main() -> None:
     a = ap.parse_args()
     threads = [int(t) for t in a.threads.split(",")]
     cuda = torch.cuda.is_available()
-    result = {"command": "python bench/cpu_expert_probe.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
+    result = {"command": "python experiments/cpu_expert_probe.py " + " ".join(sys.argv[1:]), "cpus": os.cpu_count(),
               "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu", "shapes": {}}
     for shape in a.shapes.split(","):
         h, i = SHAPES[shape]

@@ -1,6 +1,6 @@
 """Do threads that wait on CUDA events slow the serving thread's host work?
 
-    python bench/spin_probe.py [--reps 15] [--launches 3000] [--wait-ms 20] --out FILE
+    python experiments/spin_probe.py [--reps 15] [--launches 3000] [--wait-ms 20] --out FILE
 
 The serving thread times two host-bound workloads: ``--launches`` small kernel launches (what an
 untiered model's decode spends its host time on) and a pure-Python loop. Meanwhile 0, 1 or 2
@@ -110,7 +110,7 @@ def main() -> int:
             if k:
                 row["thread_cpu_share"].append(sum(cpu) / k / wall)
     summary = {name: {key: statistics.median(v) for key, v in row.items() if v} for name, row in times.items()}
-    result = {"command": "python bench/spin_probe.py " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(),
+    result = {"command": "python experiments/spin_probe.py " + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "cpus": os.cpu_count(), "wait_ms": args.wait_ms, "median": summary, "rounds": times}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

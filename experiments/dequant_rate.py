@@ -1,6 +1,6 @@
 """INT8 dequantization's memory rate on the GPU: the Triton kernel against torch.mul and a plain copy.
 
-    python bench/dequant_rate.py [--reps 50] [--out FILE]
+    python experiments/dequant_rate.py [--reps 50] [--out FILE]
 
 For each expert tensor of Qwen3-30B-A3B and Mixtral-8x7B (gate and up fused, and down), stacked
 as the engine stacks a streamed part's experts (codes and scales strided across the stack, a
@@ -102,7 +102,7 @@ def main() -> int:
                                kernel_over_bound=t_kernel * 1e3 / row["bound_ms"], exact=bool(torch.equal(out, expected)))
                 rows_out.append(row)
                 print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()}, flush=True)
-    write_result(args.out, {"command": "python bench/dequant_rate.py " + " ".join(sys.argv[1:]),
+    write_result(args.out, {"command": "python experiments/dequant_rate.py " + " ".join(sys.argv[1:]),
                             "device": torch.cuda.get_device_name(), "triton": int8_mod.kernel_available(), "rows": rows_out})
     return 0
 

@@ -1,6 +1,6 @@
 """A streamed part's bf16 copies: one ``copy_`` per expert and tensor, 2-D copies, or one batch.
 
-    python bench/h2d_probe.py [--experts 8,16] [--models qwen3_moe,mixtral] [--reps 20] --out FILE
+    python experiments/h2d_probe.py [--experts 8,16] [--models qwen3_moe,mixtral] [--reps 20] --out FILE
 
 A streamed part of bf16 experts moves each expert's tensors from its blob in the pinned host
 pool into its slot of each tensor's slab. This queues such a part on a side stream, with
@@ -146,7 +146,7 @@ def main() -> None:
             for spread in (1, 2):
                 results.append(probe(model, SHAPES[model], k, spread, a.reps, device))
                 print(json.dumps(results[-1]), flush=True)
-    cmd = "python bench/h2d_probe.py " + " ".join(sys.argv[1:])
+    cmd = "python experiments/h2d_probe.py " + " ".join(sys.argv[1:])
     with open(a.out, "w") as f:
         json.dump({"command": cmd, "device": torch.cuda.get_device_name(device), "results": results}, f, indent=1)
 

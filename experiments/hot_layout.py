@@ -1,6 +1,6 @@
 """Where the rebalancer leaves the hot experts: per layer, how many, and in how many runs of slots.
 
-    python bench/hot_layout.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
+    python experiments/hot_layout.py [--model qwen3_moe] [--layers 12] [--experts 128] [--top-k 8]
                                [--fractions 0.25,0.5] [--generates 8] [--tokens 33] [--every 8]
                                [--prefill 2048] [--modes own,across] --out FILE
 
@@ -108,7 +108,7 @@ def main() -> int:
     prompt = torch.randint(0, shape["vocab_size"], (1, 16), generator=g).to(device)
     ids = torch.randint(0, shape["vocab_size"], (1, args.prefill), generator=g).to(device) if args.prefill else None
     kw = dict(do_sample=False, pad_token_id=0)
-    result = {"command": "python bench/hot_layout.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device), "fractions": {}}
+    result = {"command": "python experiments/hot_layout.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device), "fractions": {}}
     for f, mode in [(f, mode) for f in fractions for mode in modes]:
         cfg = {"tiers": {"gpu": {"fraction": f}, "cpu": {"budget": budget, "precision": "int8"}, "nvme": {"precision": "int8"},
                          "rebalance": {"every_tokens": args.every, "across_layers": mode == "across"}}}

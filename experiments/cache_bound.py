@@ -1,7 +1,7 @@
 """How far the staging-slot cache is from Belady's MIN on the skewed trace, and why.
 
-    python bench/cache_bound.py [--tokens 256] [--seed 0] [--models mixtral,qwen3_moe] [--splits 9:4,10:4]
-                                [--out bench/results/cache_bound.json]
+    python experiments/cache_bound.py [--tokens 256] [--seed 0] [--models mixtral,qwen3_moe] [--splits 9:4,10:4]
+                                [--out experiments/results/cache_bound.json]
 
 The bench replays the cache policies against Belady's MIN on synthetic traces (capacity 25% of
 the experts, no pinned set). This asks what the remaining gap is made of, on the same traces
@@ -315,10 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reuse", type=float, default=0.5, help="the trace's chance a token keeps an expert of the last one")
     ap.add_argument("--splits", default=None, metavar="HOT:STAGING,...",
                     help="also replay the GPU tier as hot and staging slots, for each split (see the docstring)")
-    ap.add_argument("--out", default="bench/results/cache_bound.json")
+    ap.add_argument("--out", default="experiments/results/cache_bound.json")
     args = ap.parse_args(argv)
     splits = parse_splits(args.splits) if args.splits else None
-    result = {"command": "python bench/cache_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python experiments/cache_bound.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "trace": {"zipf_s": args.zipf, "reuse_p": args.reuse, "seed": args.seed, "tokens": args.tokens},
               "models": {m: measure(m, args.tokens, seed=args.seed, draws=args.draws, only=args.policies and args.policies.split(","),
                                     bound=not args.no_bound, zipf=args.zipf, reuse=args.reuse) for m in args.models.split(",")}}

@@ -1,6 +1,6 @@
 """A/B of the prefill paths on loaded models, settings alternated within each repetition.
 
-    python bench/prefill_ab.py [--model qwen3_moe] [--layers 6] [--reps 3] [--configs int8:auto:0,bf16:auto:1]
+    python experiments/prefill_ab.py [--model qwen3_moe] [--layers 6] [--reps 3] [--configs int8:auto:0,bf16:auto:1]
                                [--fraction 0.25] --out results.json
 
 For each config (cpu-tier precision : staging slots : prefetch depth), Tiers at a GPU budget of
@@ -51,7 +51,7 @@ def main() -> int:
     prompt = ids[:, :16]
     prefill_seconds(plain, ids, device, 1)
     decode_ms_per_token(plain, prompt, 2, device, 1)
-    out = {"command": "python bench/prefill_ab.py " + " ".join(sys.argv[1:]),
+    out = {"command": "python experiments/prefill_ab.py " + " ".join(sys.argv[1:]),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "configs": {}}
     for spec in args.configs.split(","):
         precision, staging, depth = spec.split(":")
