@@ -3,7 +3,7 @@
 # Usage (from the repo root): bash bench/gpu_bench.sh [mixtral|qwen3_moe|all]  (one model fits one 10-minute device call;
 # Mixtral's run 42, these flags under a 495 s limit after the CUDA suite in the same call, on a slow host, stopped after
 # its last arm, before its copy sweep and cold reads: python3 tools/bench.py --report <out>/bench-mixtral.partial.json
-# writes the tables of such a run)
+# writes the tables and the plot of such a run)
 # Each model: all-GPU, naive lazy, accelerate and Tiers arms, uniform and skewed routing, in one run,
 # with the flags of the latest complete runs (bench/results/bench-qwen3_moe-run60.md, -mixtral-run48.md: 391 s and
 # 507 s of the call).
@@ -20,8 +20,9 @@ for model in ${1:-all}; do
     case $m in
       # Qwen3: decode ~16 ms/token, six repetitions fit. The rebalancer's warm-up is 768 tokens: at 4
       # moves a round the 25% hot set still promoted at that cap 128 tokens after a warm-up of 256
-      # (bench-qwen3_moe-rebalance-settling.json) and settled after about 450 (run 53); at 8, the
-      # default since, after about 250 (runs 54 and 55). The 0% arm is left out to make room
+      # (bench-qwen3_moe-rebalance-settling.json, pruned; in the tree of commit 5faf981) and settled
+      # after about 450 (run 53); at 8, the default since, after about 250 (runs 54 and 55). The 0%
+      # arm is left out to make room
       qwen3_moe) flags="--tokens 32 --reps 6 --rebalance-warmup 768" run_arms=${arms/,tiers_0_int8/} ;;
       *) flags="--tokens 16 --reps 2 --rebalance-warmup 128" run_arms=$arms ;;  # Mixtral's slow arms take most of the call
     esac

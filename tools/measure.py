@@ -287,7 +287,7 @@ def shape_of(model_type: str, layers: int, device: torch.device) -> dict:
 
 def add_counts_args(ap, *, generates: int) -> None:
     """The flags of the bench scripts that route a model of real expert counts and tiny hidden
-    sizes by the skewed trace with the rebalancer on (``bench/hot_layout.py``, ``bench/hot_converge.py``)."""
+    sizes by the skewed trace with the rebalancer on (``experiments/hot_layout.py``, ``experiments/hot_converge.py``)."""
     ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--experts", type=int, default=128)

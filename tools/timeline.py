@@ -6,7 +6,7 @@ and each experts call's start and end; ``instrument`` adds, for a Tiers model, t
 call's route sync, each streamed part's copies (events on the copy stream), each part's kernels and
 read-aheads; ``split`` turns one prefill's marks into per-layer and total figures (the copy
 stream's busy time, its gaps within a layer and at layer boundaries, the tails; the fields are
-described in ``bench/prefill_split.py``). ``marking`` takes the marks over a block, ``marked_prefill`` over one
+described in ``experiments/prefill_split.py``). ``marking`` takes the marks over a block, ``marked_prefill`` over one
 prefill. Used by that script and by ``tools/bench.py --prefill-marks``.
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -10,18 +11,16 @@ import time
 import pytest
 import torch
 
-from tiers.tools import bench
+from tiers.tools import bench, bench_bounds, bench_report, bench_run, bench_runtime, bench_tiers, measure
 
 
 def test_tiny_bench_runs_and_reports(tmp_path):
-    from tiers.engine import TierManager
-
-    default = TierManager.DECODE_BYTES
+    default = bench_runtime.direct_decode_bytes()
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--direct-decode-mib", "any",
                      "--interleave", "16", "--arms", "all_gpu,lazy,tiers_100_bf16,tiers_25_int8,tiers_0_int8", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
-    assert r["direct_decode_bytes"] is None and TierManager.DECODE_BYTES == default, "the bound is the run's alone"
+    assert r["direct_decode_bytes"] is None and bench_runtime.direct_decode_bytes() == default, "the bound is the run's alone"
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--direct-decode-mib", "lots", "--out", str(tmp_path)])
     assert set(r["arms"]) == {"all_gpu", "lazy", "tiers_100_bf16", "tiers_25_int8", "tiers_0_int8", "all_gpu/end"}
@@ -32,40 +31,42 @@ def test_tiny_bench_runs_and_reports(tmp_path):
     t = r["arms"]["tiers_25_int8"]
     moved = sum(t["bytes_moved_per_token"].values())
     assert moved > 0 and t["gpu_hit_rate"] < 1.0
-    assert t["bound_ms_per_token"] == pytest.approx(base + moved / bench.H2D_BYTES_PER_S * 1e3)
+    assert t["bound_ms_per_token"] == pytest.approx(base + moved / bench_bounds.H2D_BYTES_PER_S * 1e3)
     assert r["arms"]["tiers_100_bf16"]["gpu_hit_rate"] == 1.0
     # the static arm is timed over more repetitions than asked: it differs from all-GPU by less than the drift
-    assert r["arms"]["tiers_100_bf16"]["reps"] == bench.STATIC_ARM_REPS and t["reps"] == 1
+    assert r["arms"]["tiers_100_bf16"]["reps"] == bench_tiers.STATIC_ARM_REPS and t["reps"] == 1
     # prefill is timed at least PREFILL_REPS_MIN times whatever --reps says (one decode repetition here)
-    assert t["prefill_reps"] == bench.PREFILL_REPS_MIN == 3 and r["arms"]["tiers_100_bf16"]["prefill_reps"] == bench.STATIC_ARM_REPS - 1
+    assert t["prefill_reps"] == bench_tiers.PREFILL_REPS_MIN == 3 and r["arms"]["tiers_100_bf16"]["prefill_reps"] == bench_tiers.STATIC_ARM_REPS - 1
     for name in ("tiers_100_bf16", "tiers_25_int8", "tiers_0_int8"):  # each paired with an all-GPU measurement, interleaved
         a = r["arms"][name]
         # a difference of medians over 2 tokens: measured, but on a busy CPU it can come out below 0
         assert math.isfinite(a["paired_all_gpu_ms_per_token"])
         assert a["over_paired_all_gpu"] == pytest.approx(a["decode_ms_per_token"] / a["paired_all_gpu_ms_per_token"])
     assert t["paired_overhead_over_bytes_bound"] == pytest.approx(
-        (t["decode_ms_per_token"] - t["paired_all_gpu_ms_per_token"]) / (moved / bench.H2D_BYTES_PER_S * 1e3))
+        (t["decode_ms_per_token"] - t["paired_all_gpu_ms_per_token"]) / (moved / bench_bounds.H2D_BYTES_PER_S * 1e3))
     replay_hits, optimum = t["cache_hits_vs_belady"]
     assert replay_hits <= optimum
     for row in r["cache_replay"].values():
         assert all(row[p] <= row["belady"] for p in ("lru", "lfu", "forecast", "markov"))
     # the interleaved decode: 16 timed steps of the arm and of its pair, in 2 blocks of 8, and the bytes of those steps
     il = t["interleaved"]
-    assert il["tokens"] == 16 and il["block"] == bench.INTERLEAVE_BLOCK and len(il["arm_step_ms"]) == len(il["pair_step_ms"]) == 16
+    assert il["tokens"] == 16 and il["block"] == bench_tiers.INTERLEAVE_BLOCK and len(il["arm_step_ms"]) == len(il["pair_step_ms"]) == 16
     diffs = [a - b for a, b in zip(il["arm_step_ms"], il["pair_step_ms"])]
     assert il["overhead_ms_per_token"] == pytest.approx(statistics.fmean(diffs), abs=1e-3)
     assert il["block_overhead_ms_per_token"] == pytest.approx(statistics.fmean(diffs), abs=1e-3)  # the median of 2 is their mean
     il_moved = sum(il["bytes_moved_per_token"].values())
-    assert il_moved > 0 and il["bound_ms"] == pytest.approx(il_moved / bench.H2D_BYTES_PER_S * 1e3)
+    assert il_moved > 0 and il["bound_ms"] == pytest.approx(il_moved / bench_bounds.H2D_BYTES_PER_S * 1e3)
     assert il["overhead_over_bytes_bound"] == pytest.approx(il["overhead_ms_per_token"] / il["bound_ms"])
     assert r["arms"]["tiers_100_bf16"]["interleaved"]["overhead_over_bytes_bound"] is None  # nothing moved: no ratio
     md = (tmp_path / "bench-mixtral-tiny.md").read_text()
     assert "| tiers_25_int8 |" in md and "Decode overhead per repetition" in md and "Decode interleaved step by step" in md
+    # the plot beside the Markdown, where matplotlib (the bench extra) is installed
+    assert (tmp_path / "bench-mixtral-tiny.png").is_file() == (importlib.util.find_spec("matplotlib") is not None)
     # each timed step's host work, the arm's and the pair's; the pair's fastest and slowest block in the Markdown
     for u in (il["arm_usage"], il["pair_usage"]):
         assert set(u) == {"host_ms", "cpu_ms", "sys_ms", "faults", "preempted"} and all(len(v) == 16 for v in u.values())
         assert all(0 < h <= s for h, s in zip(u["host_ms"], il["pair_step_ms"] if u is il["pair_usage"] else il["arm_step_ms"]))
-    phases = bench.phase_usage(il["pair_usage"], il["block"])
+    phases = bench_report.phase_usage(il["pair_usage"], il["block"])
     row = next(line for line in md.splitlines() if line.startswith("| tiers_25_int8 | ") and "| preempted" not in line
                and line.count("|") == 6 and ", " in line)
     assert row.split("|")[2].strip() == f"{phases['fastest']['host_ms']:.2f}, {phases['fastest']['cpu_ms']:.2f}"
@@ -101,15 +102,15 @@ def test_rep_overhead_is_the_median_of_differences_within_repetitions():
     arm = [11.0, 11.0, 21.0, 21.0, 21.0]  # two fast repetitions, three slow
     pair = [10.0, 10.0, 10.0, 20.0, 20.0]  # its pair was fast in a slow repetition of the arm
     row = {"decode_ms_per_rep": arm, "paired_decode_ms_per_rep": pair}
-    assert bench.rep_overhead_ms(row) == pytest.approx(1.0)
+    assert bench_bounds.rep_overhead_ms(row) == pytest.approx(1.0)
     assert statistics.median(arm) - statistics.median(pair) == pytest.approx(11.0)
-    assert bench.rep_overhead_ms({"decode_ms_per_rep": arm}) is None
-    assert bench.rep_overhead_ms({"decode_ms_per_rep": arm, "paired_decode_ms_per_rep": pair[:3]}) is None
+    assert bench_bounds.rep_overhead_ms({"decode_ms_per_rep": arm}) is None
+    assert bench_bounds.rep_overhead_ms({"decode_ms_per_rep": arm, "paired_decode_ms_per_rep": pair[:3]}) is None
     moved = 55e9 * 2e-3  # bytes a 2 ms bound moves
     r = {"arms": {"all_gpu": {"decode_ms_per_token": 10.0, "prefill_s": 0.03},
                   "tiers_25_int8": {"decode_ms_per_token": 21.0, "paired_all_gpu_ms_per_token": 10.0, "bytes_moved_per_token": {"cpu": moved},
                                     "prefill_s": 0.05, "prefill_bytes_moved": 0.0, **row}}}
-    t = bench.add_bounds(r)["arms"]["tiers_25_int8"]
+    t = bench_bounds.add_bounds(r)["arms"]["tiers_25_int8"]
     assert t["rep_overhead_ms_per_token"] == pytest.approx(1.0) and t["rep_overhead_over_bytes_bound"] == pytest.approx(0.5)
 
 
@@ -123,7 +124,7 @@ def test_figures_against_the_pairs_need_no_all_gpu_arm_of_the_routing():
     row = {"decode_ms_per_token": 13.0, "paired_all_gpu_ms_per_token": 10.0, "bytes_moved_per_token": {"cpu": moved},
            "decode_ms_per_rep": [13.0, 13.0], "paired_decode_ms_per_rep": [10.0, 11.0], "prefill_s": 0.05,
            "paired_prefill_s": 0.04, "prefill_bytes_moved": 0.0, "interleaved": il}
-    r = bench.add_bounds({"arms": {"all_gpu": {"decode_ms_per_token": 9.0, "prefill_s": 0.03}, "tiers_25_int8@skewed": row}})
+    r = bench_bounds.add_bounds({"arms": {"all_gpu": {"decode_ms_per_token": 9.0, "prefill_s": 0.03}, "tiers_25_int8@skewed": row}})
     t = r["arms"]["tiers_25_int8@skewed"]
     assert "bound_ms_per_token" not in t and "overhead_ms_per_token" not in t and "prefill_over_bound" not in t
     assert t["paired_overhead_over_bytes_bound"] == pytest.approx(1.5) and t["over_paired_all_gpu"] == pytest.approx(1.3)
@@ -136,15 +137,15 @@ def test_baseline_is_the_faster_all_gpu_measurement_of_the_same_routing():
     arms = {"all_gpu": {"decode_ms_per_token": 12.0, "prefill_s": 0.03}, "all_gpu/end": {"decode_ms_per_token": 10.0, "prefill_s": 0.04},
             "all_gpu@skewed": {"decode_ms_per_token": 9.0, "prefill_s": 0.05}, "all_gpu@skewed/end": {"error": "boom"}}
     r = {"arms": arms}
-    assert bench.baseline(r, "tiers_25_int8") == {"decode_ms_per_token": 10.0, "prefill_s": 0.03}
-    assert bench.baseline(r, "tiers_25_int8@skewed_norebal") == {"decode_ms_per_token": 9.0, "prefill_s": 0.05}
-    assert bench.baseline({"arms": {}}, "tiers_25_int8") == {}
+    assert bench_bounds.baseline(r, "tiers_25_int8") == {"decode_ms_per_token": 10.0, "prefill_s": 0.03}
+    assert bench_bounds.baseline(r, "tiers_25_int8@skewed_norebal") == {"decode_ms_per_token": 9.0, "prefill_s": 0.05}
+    assert bench_bounds.baseline({"arms": {}}, "tiers_25_int8") == {}
 
 
 def test_lazy_arm_computes_what_eager_computes():
-    model = bench.build("mixtral", dict(bench.TINY["mixtral"]), torch.device("cpu"))
+    model = measure.build("mixtral", dict(measure.TINY["mixtral"]), torch.device("cpu"))
     model.set_experts_implementation("eager")
-    _, mod = next(iter(bench.expert_modules(model).values()))
+    _, mod = next(iter(measure.expert_modules(model).values()))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, mod.hidden_dim, generator=g).bfloat16()
     idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:2] for _ in range(6)])
@@ -152,7 +153,7 @@ def test_lazy_arm_computes_what_eager_computes():
     with torch.no_grad():
         want = mod(x, idx, w)
         mod._lazy = {"gate_up_proj": mod.gate_up_proj.detach(), "down_proj": mod.down_proj.detach()}
-        got = bench.lazy_experts_forward(mod, x, idx, w)
+        got = measure.lazy_experts_forward(mod, x, idx, w)
     assert torch.equal(want, got)
 
 
@@ -195,12 +196,12 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     skewed = [r["arms"]["all_gpu@skewed"], r["arms"]["all_gpu@skewed/end"]]
     base = min(a["decode_ms_per_token"] for a in skewed)  # the bound of a skewed arm uses the skewed baseline
     assert off["bound_ms_per_token"] >= base
-    assert t["bound_ms_per_token"] == pytest.approx(base + sum(t["bytes_moved_per_token"].values()) / bench.H2D_BYTES_PER_S * 1e3)
+    assert t["bound_ms_per_token"] == pytest.approx(base + sum(t["bytes_moved_per_token"].values()) / bench_bounds.H2D_BYTES_PER_S * 1e3)
     assert t["prefill_bound_s"] >= min(a["prefill_s"] for a in skewed)
     # prefill against the all-GPU prefill interleaved with the arm's, under the same routing
     for arm in (t, off):
         assert arm["paired_prefill_s"] > 0
-        assert arm["paired_prefill_bound_s"] == max(arm["paired_prefill_s"], arm["prefill_bytes_moved"] / bench.H2D_BYTES_PER_S)
+        assert arm["paired_prefill_bound_s"] == max(arm["paired_prefill_s"], arm["prefill_bytes_moved"] / bench_bounds.H2D_BYTES_PER_S)
         assert arm["prefill_over_paired_bound"] == pytest.approx(arm["prefill_s"] / arm["paired_prefill_bound_s"])
     assert r["routing"]["skewed"]["zipf_s"] == 1.2
     # --prefill-marks 2: two marked prefills per Tiers arm after the timed ones, with what the rebalancer did in each
@@ -212,35 +213,6 @@ def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
         assert all(set(x["rebalancer"]) == ({"rebalances", "promoted_hot", "promoted_warm", "read_errors"} if rebalancing else set()) for x in marks)
     assert "prefill_marks" not in r["arms"]["all_gpu@skewed"]
     assert "tiers_25_int8@skewed" in (tmp_path / "bench-mixtral-tiny.md").read_text()
-
-
-def test_rebalance_ab_reports_both_arms():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("rebalance_ab", Path(__file__).parents[2] / "bench" / "rebalance_ab.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
-    r = ab.run(tokens=24, every=4, fractions=(0.5,))
-    off, on = r["arms"]
-    assert (off["rebalance_every_tokens"], on["rebalance_every_tokens"]) == (0, 4)
-    assert off["rebalance"] == {} and on["rebalance"]["rebalances"] > 0
-    assert 0.0 <= off["gpu_hit_rate"] <= 1.0 and 0.0 <= on["gpu_hit_rate"] <= 1.0
-
-
-def test_cache_bound_orders_the_policies():
-    """The oracle (next uses known, the current call protected) sits between the forecast and
-    Belady's MIN, which no demand-paging policy beats."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("cache_bound", Path(__file__).parents[2] / "bench" / "cache_bound.py")
-    cb = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cb)
-    row = cb.measure("mixtral", tokens=48)
-    r = row["over_belady"]
-    assert r["forecast"] <= r["oracle"] <= 1.0
-    assert 0 < row["belady_hit_rate"] <= 1 and row["capacity"] == 16
 
 
 def _spy_generates(monkeypatch) -> list[tuple[str, int | None]]:
@@ -289,9 +261,9 @@ def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path
 
 def test_paired_timings_alternate_the_arm_and_its_pair():
     calls = []
-    arm, pair = bench.paired_timings(lambda: calls.append("arm"), lambda: calls.append("pair"), torch.device("cpu"), 3)
+    arm, pair = bench_tiers.paired_timings(lambda: calls.append("arm"), lambda: calls.append("pair"), torch.device("cpu"), 3)
     assert calls == ["arm", "pair"] * 3 and len(arm) == len(pair) == 3 and min(arm + pair) >= 0
-    r = bench.add_bounds({"arms": {"all_gpu": {"decode_ms_per_token": 10.0, "prefill_s": 0.02},
+    r = bench_bounds.add_bounds({"arms": {"all_gpu": {"decode_ms_per_token": 10.0, "prefill_s": 0.02},
                                    "tiers_25_int8": {"decode_ms_per_token": 12.0, "bytes_moved_per_token": {"cpu": 55e6},
                                                      "prefill_s": 0.06, "paired_prefill_s": 0.03, "prefill_bytes_moved": 1.1e9}}})
     t = r["arms"]["tiers_25_int8"]
@@ -315,7 +287,7 @@ def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monke
     """``--rebalance-warmup 150``: the skewed arm with the rebalancer generates 64 + 64 + 22 more
     tokens after its ordinary warm-up and before its first timed generate; the arm without the
     rebalancer and the all-GPU arms generate none of them. A negative count is refused."""
-    assert bench.rebalance_warmup_generates(150) == [64, 64, 22] and bench.rebalance_warmup_generates(0) == []
+    assert bench_tiers.rebalance_warmup_generates(150) == [64, 64, 22] and bench_tiers.rebalance_warmup_generates(0) == []
     calls = _spy_generates(monkeypatch)
     for arm in ("tiers_25_int8@skewed", "tiers_25_int8@skewed_norebal"):
         calls.clear()
@@ -346,7 +318,7 @@ def test_attention_is_warmed_at_every_decoded_length_before_any_arm(tmp_path, mo
     argv = ["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5", "--interleave", "16",
             "--arms", "all_gpu,tiers_25_int8", "--out", str(tmp_path)]
     assert bench.main(argv) == 0
-    want = 16 + bench.INTERLEAVE_SKIP + 1
+    want = 16 + measure.INTERLEAVE_SKIP + 1
     assert calls[:3] == [("gpu", want), ("gpu", want), ("gpu", 5)], calls[:4]
     w = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["attention_warmup"]
     assert w["tokens"] == want and w["first_s"] > 0 and w["second_s"] > 0 and w["cudnn_sdp"] is None  # no CUDA here
@@ -360,31 +332,31 @@ def test_attention_is_warmed_at_every_decoded_length_before_any_arm(tmp_path, mo
 def test_the_attention_warmup_covers_the_longest_decode():
     """Each of the run's decodes can be the longest: the warm-up takes the largest."""
     ns = argparse.Namespace(warmup_tokens=32, tokens=16, slow_tokens=2, rebalance_warmup=0, interleave=0)
-    assert bench.attention_warmup_tokens(ns) == 32
-    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "tokens": 40})) == 41
-    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "slow_tokens": 50})) == 51
-    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "rebalance_warmup": 1})) == bench.REBALANCE_WARMUP_GENERATE
-    assert bench.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "interleave": 192})) == 192 + bench.INTERLEAVE_SKIP + 1
+    assert bench_run.attention_warmup_tokens(ns) == 32
+    assert bench_run.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "tokens": 40})) == 41
+    assert bench_run.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "slow_tokens": 50})) == 51
+    assert bench_run.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "rebalance_warmup": 1})) == bench_tiers.REBALANCE_WARMUP_GENERATE
+    assert bench_run.attention_warmup_tokens(argparse.Namespace(**{**vars(ns), "interleave": 192})) == 192 + measure.INTERLEAVE_SKIP + 1
 
 
 def test_prefill_is_timed_at_least_prefill_reps_min_times(tmp_path, monkeypatch):
     """With --reps 1 (and 2) a single timed prefill was left to the host's slow phases: each Tiers
     arm times PREFILL_REPS_MIN prefills and its pair's, alternately, at least."""
     asked = []
-    real = bench.paired_timings
+    real = bench_tiers.paired_timings
 
     def spy(arm, pair, device, reps):
         asked.append(reps)
         return real(arm, pair, device, reps)
 
-    monkeypatch.setattr(bench, "paired_timings", spy)
+    monkeypatch.setattr(bench_tiers, "paired_timings", spy)
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "2",
                      "--interleave", "0", "--arms", "tiers_25_int8", "--out", str(tmp_path)])
-    assert rc == 0 and asked == [1, bench.PREFILL_REPS_MIN]  # the untimed alternation, then the timed ones
+    assert rc == 0 and asked == [1, bench_tiers.PREFILL_REPS_MIN]  # the untimed alternation, then the timed ones
     row = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())["arms"]["tiers_25_int8"]
-    assert row["prefill_reps"] == bench.PREFILL_REPS_MIN and "interleaved" not in row  # --interleave 0: none
+    assert row["prefill_reps"] == bench_tiers.PREFILL_REPS_MIN and "interleaved" not in row  # --interleave 0: none
     # every timed prefill is kept, the arm's and its pair's, and the medians are theirs
-    assert len(row["prefill_s_per_rep"]) == len(row["paired_prefill_s_per_rep"]) == bench.PREFILL_REPS_MIN
+    assert len(row["prefill_s_per_rep"]) == len(row["paired_prefill_s_per_rep"]) == bench_tiers.PREFILL_REPS_MIN
     assert len(row["prefill_warm_s"]) == 2  # one untimed alternation, arm then pair
     assert row["prefill_s"] == statistics.median(row["prefill_s_per_rep"])
     assert row["paired_prefill_s"] == statistics.median(row["paired_prefill_s_per_rep"])
@@ -407,12 +379,12 @@ def _offload_result() -> dict:
             "tiers_25_int8@skewed": {"decode_ms_per_token": 18.0, "bytes_moved_per_token": {"cpu": 55e6}},
             # faster than all-GPU by every statistic
             "tiers_50_int8": {"decode_ms_per_token": 9.5, "bytes_moved_per_token": {"cpu": 55e6}}}
-    return bench.add_bounds({"arms": arms, "command": "python tools/bench.py"})
+    return bench_bounds.add_bounds({"arms": arms, "command": "python tools/bench.py"})
 
 
 def test_offload_overheads_take_each_arms_largest_statistic():
     r = _offload_result()
-    off = bench.offload_overheads(r)
+    off = bench_bounds.offload_overheads(r)
     assert r["offload"] == off  # add_bounds keeps it in the results (the JSON)
     assert off["overhead_ms"] == {"accelerate": pytest.approx(1000.0), "lazy": pytest.approx(100.0)}
     assert set(off["arms"]) == {"tiers_25_int8", "tiers_25_int8@skewed", "tiers_50_int8"}  # not the 100% arm
@@ -426,7 +398,7 @@ def test_offload_overheads_take_each_arms_largest_statistic():
     assert faster["largest_ms"] == pytest.approx(-0.5) and faster["accelerate_over"] is None and faster["lazy_over"] is None
     r = _offload_result()
     del r["arms"]["lazy"]
-    assert bench.offload_overheads(r) == {}  # no ratio without both slow arms
+    assert bench_bounds.offload_overheads(r) == {}  # no ratio without both slow arms
 
 
 def test_report_rewrites_the_markdown_from_a_bench_json(tmp_path, capsys):
@@ -478,7 +450,7 @@ def test_prefill_notes_count_what_each_call_did():
         rb.counts["rebalances"] += 1
         if len(calls) == 2:
             rb.counts["promoted_hot"] += 4
-    notes = bench.PrefillNotes(model, mgr, "ids")
+    notes = bench_tiers.PrefillNotes(model, bench_runtime.Manager(mgr), "ids")
     notes()
     notes()
     assert calls == ["ids", "ids"]
@@ -497,11 +469,11 @@ def test_phase_usage_picks_the_fastest_and_slowest_block_by_host_time():
     slow = {"host_ms": [30.0, 31.0], "cpu_ms": [29.0, 30.0], "sys_ms": [0.2, 0.4], "faults": [4, 0], "preempted": [0, 0]}
     mid = {"host_ms": [20.0, 20.0], "cpu_ms": [5.0, 5.0], "sys_ms": [0.1, 0.1], "faults": [0, 0], "preempted": [0, 0]}
     usage = {k: mid[k] + slow[k] + fast[k] + [99] for k in fast}  # a partial last block is left out of the blocks
-    p = bench.phase_usage(usage, 2)
+    p = bench_report.phase_usage(usage, 2)
     assert p["fastest"] == {"host_ms": 10.5, "cpu_ms": 9.5, "sys_ms": 0.1, "faults": 0, "preempted": 0.5}
     assert p["slowest"]["host_ms"] == 30.5 and p["slowest"]["cpu_ms"] == 29.5 and p["slowest"]["sys_ms"] == pytest.approx(0.3)
     assert p["per_step"] == {"faults": pytest.approx(103 / 7), "preempted": pytest.approx(100 / 7)}
-    assert bench.phase_usage({"host_ms": [1.0]}, 2) is None and bench.phase_usage({}, 2) is None
+    assert bench_report.phase_usage({"host_ms": [1.0]}, 2) is None and bench_report.phase_usage({}, 2) is None
 
 
 def test_prefill_notes_tell_waiting_from_working_and_see_other_threads_work():
@@ -525,7 +497,7 @@ def test_prefill_notes_tell_waiting_from_working_and_see_other_threads_work():
             t = threading.Thread(target=spin, args=(0.2,))
             t.start()
             t.join()
-    slept, spun = bench.PrefillNotes(model, mgr, "sleep"), bench.PrefillNotes(model, mgr, "spin")
+    slept, spun = (bench_tiers.PrefillNotes(model, bench_runtime.Manager(mgr), ids) for ids in ("sleep", "spin"))
     slept()
     spun()
     (a,), (b,) = slept.rows, spun.rows
@@ -588,7 +560,7 @@ def test_the_staging_only_arm_holds_no_hot_expert_at_mixtral_shapes(packed_facto
     layers = {L: dataclasses.replace(entry, layer=L, layout=layout, blobs={p: blob_layout(layout, p) for p in tiny.precisions})
               for L in range(8)}
     manifest = dataclasses.replace(tiny, layers=layers)
-    gpu = bench.staging_only_gpu(manifest, precision, 4)
+    gpu = bench_runtime.staging_only_gpu(manifest, precision, 4)
     cfg = parse_config({"tiers": {"gpu": gpu, "cpu": {"fraction": 1.0, "precision": precision}, "nvme": {"precision": precision}}})
     p = plan_placement(cfg, manifest)
     assert p.hot == () and [(g.staging, g.transit_rows) for g in p.groups] == [(4, 2 if precision == "int8" else 4)]

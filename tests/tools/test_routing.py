@@ -11,7 +11,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from tiers.loader.layout import find_experts_modules
-from tiers.tools import bench
+from tiers.tools import measure
 from tiers.tools.routing import TraceRouting
 
 from conftest import HAS_CUDA
@@ -29,7 +29,7 @@ if "routing_spy" not in ALL_EXPERTS_FUNCTIONS:
 
 
 def build(model_type: str, device="cpu"):
-    model = bench.build(model_type, dict(bench.TINY[model_type]), torch.device(device))
+    model = measure.build(model_type, dict(measure.TINY[model_type]), torch.device(device))
     model.set_experts_implementation("routing_spy")
     return model
 
