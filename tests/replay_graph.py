@@ -37,7 +37,7 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class ReplayGraph:
-    """A graph for ``tiers.graphs.DecodeGraphs`` / ``tiers.step_graph.install`` (``graph=ReplayGraph``)."""
+    """A graph for ``tiers.graphs.graph_cache.GraphCache`` / ``tiers.graphs.step_graphs.install`` (``graph=ReplayGraph``)."""
 
     def __init__(self) -> None:
         self.ops: list[tuple[Any, tuple, dict, Any]] = []

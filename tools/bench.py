@@ -13,9 +13,7 @@ layers, by default), saves and packs it, then measures each arm in one run:
   the rest warm in pinned RAM (INT8 or bf16); ``tiers_0_<precision>`` holds only the staging
   slots, the same GPU budget for experts as the lazy and accelerate arms; ``tiers_100_*`` is
   timed over at least ``STATIC_ARM_REPS`` repetitions, since it differs from all-GPU by less than
-  the host's drift across two; ``tiers_<gpu%>_<precision>+host``: the same with
-  ``tiers.cpu.compute`` on (decode's warm misses split between the copy engine and the host's
-  cores; not in ``all``);
+  the host's drift across two;
 - ``<arm>@skewed``: the same arm routed by a skewed, sticky trace (``tools.routing``), with the
   rebalancer on for Tiers; ``<tiers arm>@skewed_norebal``: the same routing, rebalancer off;
   ``<tiers arm>@skewed_routed``: the rebalancer on, loaded with the routing its ``@skewed`` arm
@@ -29,7 +27,7 @@ timed alone, ``tools.measure.interleaved_decode``), prefill time, bytes moved pe
 tier, achieved H2D GB/s, GPU hit rate, peak GPU memory, and the bound
 ``all-GPU ms/token + moved bytes / 55 GB/s``. The cache policy's hit rate is replayed against
 Belady's MIN on the recorded routing trace and on a skewed, sticky synthetic trace
-(``tiers.trace.TraceModel``). The offload table holds each offloaded Tiers arm's largest decode
+(``tools.trace.TraceModel``). The offload table holds each offloaded Tiers arm's largest decode
 overhead over its statistics against accelerate's and naive lazy's (``bench_bounds.offload_overheads``).
 Writes ``bench-<model>.json``, ``.md`` and ``.png`` (decode ms/token per arm against its bytes bound;
 needs matplotlib, the ``bench`` extra) under ``--out``; ``--report FILE.json`` runs nothing and writes
@@ -51,13 +49,11 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from tiers import TiersConfig  # noqa: E402
 from tiers.tools.bench_arms import order_error  # noqa: E402
 from tiers.tools.bench_bounds import add_bounds  # noqa: E402
 from tiers.tools.bench_plot import plot  # noqa: E402
 from tiers.tools.bench_report import markdown  # noqa: E402
 from tiers.tools.bench_run import run  # noqa: E402
-from tiers.tools.bench_runtime import POLICIES, direct_decode_bound, direct_decode_bytes  # noqa: E402
 from tiers.tools.bench_tiers import INTERLEAVE_BLOCK  # noqa: E402
 from tiers.tools.measure import SHAPES, write_result  # noqa: E402
 
@@ -79,7 +75,6 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hf-dir", help="where to write the save_pretrained checkpoint before packing (e.g. a tmpfs)")
     ap.add_argument("--arms", default="all", help="comma-separated arms, or all")
     ap.add_argument("--staging-slots", default="auto", help="Tiers staging slots: an integer or auto (the YAML default)")
-    ap.add_argument("--cache", choices=POLICIES, default=TiersConfig().gpu.cache, help="the staging-slot policy of every Tiers arm (default: the YAML default)")
     ap.add_argument("--rebalance-every", type=int, default=8, help="Tiers @skewed arms: rebalance the tiers every this many tokens (0: off)")
     ap.add_argument("--zipf", type=float, default=1.2, help="skewed routing: per-layer Zipf exponent")
     ap.add_argument("--reuse", type=float, default=0.5, help="skewed routing: probability a token reuses an expert of the previous one")
@@ -96,13 +91,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rebalance-warmup", type=int, default=0,
                     help="Tiers @skewed arms with the rebalancer: this many more tokens generated before timing, so the timed "
                          "repetitions see a settled hot set (0: none, the rebalancer still settling while timed)")
-    ap.add_argument("--compute", choices=["grouped", "eager"], default="grouped", help="Tiers experts kernels")
-    ap.add_argument("--prefetch-depth", type=int, default=0, help="Tiers lookahead prefetch depth (0: off)")
-    ap.add_argument("--decode-graphs", choices=["on", "off"], default="on" if TiersConfig().gpu.decode_graphs else "off",
-                    help="Tiers decode graphs (tiers.gpu.decode_graphs; default: the YAML default)")
-    ap.add_argument("--direct-decode-mib", default=None,
-                    help="Tiers: the largest expert (MiB in transfer form) direct decode reads, or 'any' "
-                         "(default: the library's TierManager.DECODE_BYTES)")
+    ap.add_argument("--graphs", choices=["on", "off"], default="on", help="Tiers arms' tiers.gpu.graphs (default: on, the YAML default)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--workdir", help="keep the checkpoint and the pack here")
     ap.add_argument("--out", default="bench/results", help="directory for bench-<model>.json, .md and .png")
@@ -152,15 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:
         return report(Path(args.report))
     check(ap, args)
-    bound = direct_decode_bytes()
-    if args.direct_decode_mib is not None:
-        try:
-            bound = None if args.direct_decode_mib == "any" else int(float(args.direct_decode_mib) * 2**20)
-        except ValueError:
-            ap.error(f"--direct-decode-mib: expected a size in MiB or 'any', got {args.direct_decode_mib!r}")
     args.argv = argv
-    with direct_decode_bound(bound):  # read when each arm's first decode stage builds its tables
-        result = run(args)
+    result = run(args)
     out = Path(args.out)
     stem = f"bench-{args.model}{'-tiny' if args.tiny else ''}"
     write_result(out / f"{stem}.json", result)

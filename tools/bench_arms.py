@@ -1,7 +1,7 @@
 """What a bench arm's name stands for: the arm list, each Tiers arm's config, its routing and rebalancer.
 
 Names (``tools/bench.py`` describes each): ``all_gpu``, ``lazy``, ``accelerate`` and
-``tiers_<gpu%>_<precision>[+host]``, each with ``@skewed`` routed by the skewed trace; Tiers arms
+``tiers_<gpu%>_<precision>``, each with ``@skewed`` routed by the skewed trace; Tiers arms
 also ``@skewed_norebal`` (the rebalancer off) and ``@skewed_routed`` (loaded with the routing
 its ``@skewed`` arm counted).
 """
@@ -14,12 +14,11 @@ from tiers.loader.packed import read_manifest
 from tiers.tools.bench_runtime import staging_only_gpu
 
 TIERS_ARMS = [(1.0, "bf16"), (0.5, "int8"), (0.25, "int8"), (0.5, "bf16"), (0.25, "bf16")]
-HOST_SUFFIX = "+host"  # tiers_<p>_<precision>+host: the same arm with tiers.cpu.compute on
 ALL_GPU_ARMS = ("all_gpu", "all_gpu@skewed")
 
 
 def arm_list(spec: str) -> list[str]:
-    """The arms ``--arms`` names: comma-separated, or ``all`` (neither ``+host`` nor ``_routed`` arms)."""
+    """The arms ``--arms`` names: comma-separated, or ``all`` (no ``_routed`` arms)."""
     return spec.split(",") if spec != "all" else (
         ["all_gpu", "lazy", "accelerate"] + [f"tiers_{int(f * 100)}_{p}" for f, p in TIERS_ARMS]
         + [f"{a}@skewed" for a in ("all_gpu", "tiers_25_int8", "tiers_50_int8")] + ["tiers_25_int8@skewed_norebal"])
@@ -58,16 +57,15 @@ def routed(model, name: str, skew: dict, tokens: int):
 def tiers_config(name: str, args, expert_bytes: int, packed: Path, top_k: int) -> dict:
     """The ``tiers`` config Tiers arm ``name`` loads with, from the run's flags: its GPU fraction and
     precision, every other expert warm in pinned RAM."""
-    frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0].removesuffix(HOST_SUFFIX)
+    frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
     # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
     slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
     gpu = {"fraction": frac, "staging_slots": slots}
     if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
         n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it takes more for a streamed part's bytes, or experts too large to stack)
         gpu = staging_only_gpu(read_manifest(packed), precision, n)
-    return {"tiers": {"gpu": gpu | {"cache": args.cache, "compute": args.compute, "prefetch_depth": args.prefetch_depth,
-                                   "decode_graphs": args.decode_graphs == "on"},
-                      "cpu": {"budget": expert_bytes, "precision": precision, "compute": HOST_SUFFIX in name}, "nvme": {"precision": precision},
+    return {"tiers": {"gpu": gpu | {"graphs": args.graphs == "on"},
+                      "cpu": {"budget": expert_bytes, "precision": precision}, "nvme": {"precision": precision},
                       # the rebalancer follows skewed routing; under uniform routing it has nothing to
                       # learn, and those arms keep the YAML default (off)
                       "rebalance": {"every_tokens": args.rebalance_every if rebalances(name) else 0}}}

@@ -47,8 +47,8 @@ def header(r: dict) -> list[str]:
             *attention_warmup_lines(r.get("attention_warmup")),
             "| arm | decode ms/token | tok/s | bound ms/token | overhead / bytes bound | paired all-GPU ms/token (ratio; overhead / bytes) "
             "| prefill s | prefill / bound (paired) | MiB moved/token (cpu, nvme, rebalance) "
-            "| H2D GB/s | GPU hit rate | GPU hits / Belady | prefetch accuracy | peak GPU GiB |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| H2D GB/s | GPU hit rate | GPU hits / Belady | peak GPU GiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
 
 def arms_table(r: dict) -> list[str]:
@@ -56,7 +56,7 @@ def arms_table(r: dict) -> list[str]:
     lines = []
     for name, a in r["arms"].items():
         if "error" in a:
-            lines.append(f"| {name} | error: {a['error']} |" + " |" * 12)
+            lines.append(f"| {name} | error: {a['error']} |" + " |" * 11)
             continue
         pair = a.get("paired_all_gpu_ms_per_token")
         pair_text = "-" if pair is None else (
@@ -77,7 +77,6 @@ def arms_table(r: dict) -> list[str]:
             f"{a['h2d_gbps']:.1f}" if "h2d_gbps" in a else "-",
             f"{a['gpu_hit_rate']:.2f}" if "gpu_hit_rate" in a else "-",
             f"{vs[0] / vs[1]:.2f} ({vs[0]}/{vs[1]})" if vs and vs[1] else "-",
-            f"{a['prefetch']['accuracy']:.2f}" if a.get("prefetch", {}).get("issued") else "-",
             f"{a['gpu_peak_bytes'] / 2**30:.1f}" if "gpu_peak_bytes" in a else "-",
         ]) + " |")
     return lines
@@ -196,18 +195,22 @@ def offload(r: dict) -> list[str]:
     return lines
 
 
+POLICIES = ("lru", "lfu", "forecast", "markov")  # the policies a run may have replayed (runs before this version: all four)
+
+
 def cache_replay(r: dict) -> list[str]:
-    """The cache policies against Belady's MIN on the synthetic traces."""
-    lines = []
-    if r.get("cache_replay"):
-        lines += ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
-                  "| trace | lookups | belady | lru | lfu | forecast | markov | forecast / belady | markov / belady |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-    for label, row in r.get("cache_replay", {}).items():
-        markov = row.get("markov")  # results from before the markov policy have none
-        lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | {row['lru']:.3f} | {row['lfu']:.3f} "
-                     f"| {row['forecast']:.3f} | " + ("-" if markov is None else f"{markov:.3f}")
-                     + f" | {row['forecast'] / row['belady']:.3f} | " + ("-" if markov is None else f"{markov / row['belady']:.3f}") + " |")
+    """The cache policy (policies, in older runs) against Belady's MIN on the synthetic traces."""
+    rows = r.get("cache_replay") or {}
+    if not rows:
+        return []
+    policies = [p for p in POLICIES if any(p in row for row in rows.values())]
+    lines = ["", "Cache policy alone against Belady's MIN on synthetic traces (capacity 25% of experts, no pinned set):", "",
+             "| trace | lookups | belady | " + " | ".join(policies) + " | " + " | ".join(f"{p} / belady" for p in policies) + " |",
+             "|---|---|---|" + "---|" * (2 * len(policies))]
+    for label, row in rows.items():
+        cells = [f"{row[p]:.3f}" if p in row else "-" for p in policies]
+        ratios = [f"{row[p] / row['belady']:.3f}" if p in row else "-" for p in policies]
+        lines.append(f"| {label} {row['trace']} | {row['lookups']} | {row['belady']:.3f} | " + " | ".join(cells + ratios) + " |")
     return lines
 
 

@@ -21,7 +21,7 @@ from tiers.loader.pack import pack
 from tiers.loader.packed import read_manifest
 from tiers.tools.bench_arms import ALL_GPU_ARMS, arm_list, routed, tiers_config
 from tiers.tools.bench_bounds import add_bounds
-from tiers.tools.bench_runtime import direct_decode_bytes, synthetic_replays
+from tiers.tools.bench_runtime import synthetic_replays
 from tiers.tools.bench_tiers import REBALANCE_WARMUP_GENERATE, Setting, run_arm
 from tiers.tools.measure import (
     INTERLEAVE_SKIP, SHAPES, TINY, build, copy_sweep, decode_ms_per_token, expert_modules, lazy_experts_forward,
@@ -69,12 +69,11 @@ class BenchRun:
         self.src, self.packed = self.work / "hf", self.work / "packed"
         self.result: dict = {"command": "python tools/bench.py " + " ".join(args.argv), "model": args.model, "shape": self.shape,
                              "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-                             "torch": torch.__version__, "decode_tokens": args.tokens, "prefill_tokens": args.prefill, "arms": {},
-                             "direct_decode_bytes": direct_decode_bytes()}
+                             "torch": torch.__version__, "decode_tokens": args.tokens, "prefill_tokens": args.prefill, "arms": {}}
         self.bar = tqdm(total=len(self.arms) + 2, desc="bench", unit="step")
         self.skew = dict(zipf_s=args.zipf, reuse_p=args.reuse, seed=0)
         self.result["routing"] = {"uniform": "the random-weight routers",
-                                  "skewed": {**self.skew, "model": "tiers.trace.TraceModel via tools.routing.TraceRouting"}}
+                                  "skewed": {**self.skew, "model": "tools.trace.TraceModel via tools.routing.TraceRouting"}}
 
     def routed(self, model, name: str):
         """Route ``model`` by the skewed trace for an arm named ``...@skewed...``; a no-op context otherwise."""

@@ -1,39 +1,22 @@
 """The bench's one door into the runtime's internals: the manager behind a loaded model and its counters.
 
-Also the engine's direct-decode bound, the cache policies' replays against Belady's MIN and the
-placement's transit rows. The rest of ``tools/bench*.py`` uses the public API (``tiers.load``,
-``tiers.stats``, ``tiers.routing_counts``, ``tiers.TiersConfig``) and the packed manifest, so a
-change to the runtime's internals is adapted here (and in ``tools.timeline``, whose marks hook
-the manager's methods).
+Also the cache policy's replays against Belady's MIN and the placement's transit rows. The rest
+of ``tools/bench*.py`` uses the public API (``tiers.load``, ``tiers.stats``,
+``tiers.routing_counts``) and the packed manifest, so a change to the runtime's internals is
+adapted here (and in ``tools.timeline``, whose marks wrap the manager's collaborators).
 """
 from __future__ import annotations
 
 import contextlib
 
-from tiers.cache import POLICIES, belady_hits, make_cache, replay
-from tiers.engine import TierManager
-from tiers.integration import manager_of
-from tiers.policy import transit_rows
+from tiers import report
+from tiers.api import manager_of
+from tiers.policy.placement import transit_rows
+from tiers.policy.slot_cache import belady_hits, replay
 from tiers.tools.timeline import marked_prefill, rebalancer_change, rebalancer_counts
-from tiers.trace import TraceModel, lookups
+from tiers.tools.trace import TraceModel, lookups
 
-__all__ = ["POLICIES", "Manager", "belady", "direct_decode_bound", "direct_decode_bytes", "staging_only_gpu", "synthetic_replays"]
-
-
-def direct_decode_bytes() -> int | None:
-    """The largest expert (bytes in transfer form) direct decode reads now; None: any size."""
-    return TierManager.DECODE_BYTES
-
-
-@contextlib.contextmanager
-def direct_decode_bound(bound: int | None):
-    """Direct decode's bound set to ``bound`` for the block (read when each arm's first decode
-    stage builds its tables), the library's default put back after it."""
-    default, TierManager.DECODE_BYTES = TierManager.DECODE_BYTES, bound
-    try:
-        yield
-    finally:
-        TierManager.DECODE_BYTES = default
+__all__ = ["Manager", "belady", "staging_only_gpu", "synthetic_replays"]
 
 
 class Manager:
@@ -52,7 +35,7 @@ class Manager:
 
     def stats(self):
         """Its ``TierStats`` (what ``tiers.stats`` of its model returns)."""
-        return self.mgr.stats()
+        return report.stats(self.mgr)
 
     @property
     def rebalancing(self) -> bool:
@@ -69,26 +52,23 @@ class Manager:
         """Yields a list that, after the block, holds every lookup the manager made in it (its
         routing trace)."""
         trace: list = []
-        self.mgr.recorded = []
+        self.mgr.slots.recorded = []
         try:
             yield trace
         finally:
-            trace.extend(self.mgr.recorded)
-            self.mgr.recorded = None
+            trace.extend(self.mgr.slots.recorded)
+            self.mgr.slots.recorded = None
 
-    def cache_vs_belady(self, trace: list, policy: str, capacity: int) -> list[int]:
-        """Hits of ``policy`` over ``capacity`` staging slots replayed on ``trace``, the hot set
-        pinned, and of Belady's MIN over the same."""
+    def cache_vs_belady(self, trace: list, capacity: int) -> list[int]:
+        """Hits of the cache policy over ``capacity`` staging slots replayed on ``trace``, the hot
+        set pinned, and of Belady's MIN over the same."""
         hot = set(self.mgr.placement.hot)
-        layers = sorted(self.mgr.manifest.layers)
-        n_experts = self.mgr.manifest.layers[layers[0]].layout.num_experts
-        cache = lambda slots: make_cache(policy, slots, layers=layers, experts=n_experts)  # noqa: E731
-        return [replay(trace, capacity, hot, cache), belady_hits(trace, capacity, hot)]
+        return [replay(trace, capacity, hot), belady_hits(trace, capacity, hot)]
 
     def prefill_counters(self) -> dict[str, int]:
         """Running totals a prefill's notes take the change of: whole-layer graphs run eagerly,
         captured and replayed, and the bytes queued for reading (no sync, no settling)."""
-        g = self.mgr.whole_graphs
+        g = self.mgr.prefill_graphs
         return {"graphs_eager": g.eager_calls, "graphs_captured": g.captured, "graphs_replayed": g.replayed,
                 "queued_bytes": sum(self.mgr.stats_.bytes_moved.values())}
 
@@ -116,9 +96,9 @@ def staging_only_gpu(manifest, precision: str, n: int) -> dict:
 
 
 def synthetic_replays(manifest, top_k: int, zipf: float, reuse: float) -> dict[str, dict]:
-    """Each cache policy's hit rate against Belady's MIN on a uniform and a skewed, sticky
-    synthetic trace (``tiers.trace.TraceModel``, 256 tokens) of the pack's layers and experts,
-    over 25% of its experts as slots, nothing pinned."""
+    """The cache policy's hit rate against Belady's MIN on a uniform and a skewed, sticky synthetic
+    trace (``tools.trace.TraceModel``, 256 tokens) of the pack's layers and experts, over 25% of
+    its experts as slots, nothing pinned."""
     layers = sorted(manifest.layers)
     n_exp = next(iter(manifest.layers.values())).layout.num_experts
     tm_args = dict(num_layers=len(layers), num_experts=n_exp, top_k=top_k)
@@ -126,8 +106,6 @@ def synthetic_replays(manifest, top_k: int, zipf: float, reuse: float) -> dict[s
     for label, tm in (("uniform", dict(zipf_s=0.0, reuse_p=0.0)), ("skewed", dict(zipf_s=zipf, reuse_p=reuse))):
         seq = lookups(TraceModel(**tm_args, **tm, seed=0).sample(256), layers)
         cap = max(1, int(0.25 * len(layers) * n_exp))
-        row = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq)}
-        for pol in POLICIES:
-            row[pol] = replay(seq, cap, set(), lambda slots, pol=pol: make_cache(pol, slots, layers=layers, experts=n_exp)) / len(seq)
-        replays[label] = row
+        replays[label] = {"trace": tm, "capacity": cap, "lookups": len(seq), "belady": belady_hits(seq, cap, set()) / len(seq),
+                          "markov": replay(seq, cap, set()) / len(seq)}
     return replays

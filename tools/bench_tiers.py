@@ -142,8 +142,7 @@ def measure(s: Setting, m, load_s: float, resident: int, name: str) -> dict:
         "gpu_hit_rate": st.gpu_hit_rate,
         **replays,
         "rebalance": st.rebalance,
-        "host_compute": st.host_compute,
-        "prefetch": st.prefetch,
+        "read_ahead": st.read_ahead,
         "decode_graphs": d["graphs"],
         "step_graphs": d["step_graphs"],
         "host_pinned": bool(st.memory["host_pinned"]),
@@ -266,7 +265,7 @@ def counted_run(s: Setting, m, mgr: Manager):
     # the whole GPU tier (hot set, rebalancer and cache) against MIN over as many slots, on the
     # lookups of the counted run
     all_slots = st.gpu_slots["hot"] + st.gpu_slots["staging"]
-    return st, {"cache_hits_vs_belady": mgr.cache_vs_belady(trace, s.args.cache, st.gpu_slots["staging"]),
+    return st, {"cache_hits_vs_belady": mgr.cache_vs_belady(trace, st.gpu_slots["staging"]),
                 "gpu_hits_vs_belady": [st.hits["gpu"], belady(trace, all_slots), len(trace)]}
 
 

@@ -1,19 +1,16 @@
 """What the bench measures with: random-weight models of real shapes, timing, the naive lazy
 ``.to()`` baseline and the H2D copy sweep.
 
-Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build`` (and ``build_packed``), scratch directories, the timing helpers
+Owns: the model shapes (``SHAPES``, and ``TINY`` for smoke runs), ``build``, the timing helpers
 (median of repetitions after a warm-up, with a device sync around each; ``Steps``, host time in
 named callables), the lazy experts forward
 registered as a baseline, and ``copy_sweep``. Invariant: every timed region ends with a device
 sync, so it measures finished work.
 """
-import atexit
 import contextlib
 import inspect
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -79,25 +76,9 @@ def write_result(path, result: dict) -> None:
     Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def scratch_dir(prefix: str) -> Path:
-    """A new temporary directory, removed when the process exits (normally or on an exception):
-    the bench scripts pack multi-GB checkpoints into it."""
-    work = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, work, ignore_errors=True)
-    return work
-
-
 def expert_bytes_of(model) -> int:
     """Bytes of a model's expert tensors (its 3-D parameters), as loaded."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() >= 3)
-
-
-def warm_config(precision: str, staging: str, depth: str, fraction: float) -> dict:
-    """Tiers with ``fraction`` of the expert bytes on the GPU and every other expert warm in
-    ``precision``: the config the A/B scripts' specs ``precision:staging_slots:prefetch_depth`` name."""
-    return {"tiers": {"gpu": {"fraction": fraction, "staging_slots": staging if staging == "auto" else int(staging),
-                              "prefetch_depth": int(depth)},
-                      "cpu": {"budget": "1TB", "precision": precision}, "nvme": {"precision": precision}}}
 
 
 def sync(device: torch.device) -> None:
@@ -115,22 +96,6 @@ def timed(fn, device, reps: int) -> float:
         fn()
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def event_seconds(fn, reps: int) -> float:
-    """Median seconds of ``reps`` calls on the current CUDA stream, each between two timing events,
-    after one warm-up: device time, whatever the host does meanwhile."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
 
 
@@ -278,59 +243,6 @@ def build(model_type: str, shape: dict, device: torch.device, seed: int = 0):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
-
-
-def shape_of(model_type: str, layers: int, device: torch.device) -> dict:
-    """The shape ``build_packed`` builds on ``device``: real on CUDA, ``TINY`` elsewhere, with ``layers`` layers."""
-    return dict((SHAPES if device.type == "cuda" else TINY)[model_type], layers=layers)
-
-
-def add_counts_args(ap, *, generates: int) -> None:
-    """The flags of the bench scripts that route a model of real expert counts and tiny hidden
-    sizes by the skewed trace with the rebalancer on (``experiments/hot_layout.py``, ``experiments/hot_converge.py``)."""
-    ap.add_argument("--model", default="qwen3_moe", choices=["qwen3_moe", "mixtral"])
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--fractions", default="0.25,0.5")
-    ap.add_argument("--generates", type=int, default=generates)
-    ap.add_argument("--tokens", type=int, default=33)
-    ap.add_argument("--every", type=int, default=8)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", required=True)
-
-
-def fractions_of(text: str) -> list[float]:
-    """``--fractions``: comma-separated GPU fractions, each in (0, 1); refuses anything else."""
-    try:
-        fractions = [float(f) for f in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"--fractions: expected numbers separated by commas, got {text!r}") from None
-    if not all(0 < f < 1 for f in fractions):
-        raise SystemExit(f"--fractions: each must lie in (0, 1), got {text!r}")
-    return fractions
-
-
-def build_counts_model(args, prefix: str) -> tuple[dict, Path, int]:
-    """The model ``add_counts_args``' flags describe (``TINY``'s hidden sizes), packed in both
-    precisions under a scratch directory: (its shape, the packed directory, its expert bytes)."""
-    shape = dict(TINY[args.model], layers=args.layers, num_experts_per_tok=args.top_k)
-    shape["num_experts" if args.model == "qwen3_moe" else "num_local_experts"] = args.experts
-    model, packed = build_packed(args.model, args.layers, torch.device("cpu"), scratch_dir(prefix), shape=shape)
-    budget = expert_bytes_of(model)
-    del model
-    return shape, packed, budget
-
-
-def build_packed(model_type: str, layers: int, device: torch.device, work, shape: dict | None = None):
-    """A model of ``shape_of``'s shape (or ``shape``, layers included), and its pack in both
-    precisions under ``work/packed`` (the checkpoint goes through ``work/hf``)."""
-    from tiers.loader.pack import pack
-
-    model = build(model_type, shape or shape_of(model_type, layers, device), device)
-    model.save_pretrained(work / "hf")
-    pack(work / "hf", work / "packed", precisions=["bf16", "int8"], overwrite=True, progress=False, device=device)
-    return model, work / "packed"
 
 
 def expert_modules(model):

@@ -121,22 +121,12 @@ def hook_layers(model, marks: Marks) -> list:
 
 def instrument(model, mgr, marks: Marks) -> list:
     """Hooks and wrappers that mark a Tiers ``model``'s prefill; returns the undo callables."""
-    import tiers.integration as integration
-
     undo = hook_layers(model, marks)
-    copy = mgr.copy_stream
-    route = integration._route
+    copy = mgr.staging.copy_stream
+    pending: list = []  # the layer of a part whose first read is not queued yet
 
-    def routed(self, binding, *a, **k):
-        out = route(self, binding, *a, **k)
-        marks.mark("routed", binding.layer)
-        return out
-    integration._route = routed
-    undo.append(lambda: setattr(integration, "_route", route))
-    pending: list = []  # the layer of a stream_part whose first read is not queued yet
-
-    def wrap(attr: str, before=None, after=None) -> None:
-        fn = getattr(mgr, attr)
+    def wrap(obj, attr: str, before=None, after=None) -> None:
+        fn = getattr(obj, attr)
 
         def wrapped(*a, **k):
             if before:
@@ -145,8 +135,8 @@ def instrument(model, mgr, marks: Marks) -> list:
             if after:
                 after(*a, **k)
             return out
-        setattr(mgr, attr, wrapped)
-        undo.append(lambda: delattr(mgr, attr))
+        setattr(obj, attr, wrapped)
+        undo.append(lambda: delattr(obj, attr))
 
     def part_begins(s, p):
         pending[:] = [s.layer]
@@ -158,18 +148,17 @@ def instrument(model, mgr, marks: Marks) -> list:
 
     def first_read(key, *a):
         if pending:
-            marks.mark("copy_start", pending[0], copy)  # after the part's wait for its half
+            marks.mark("copy_start", pending[0], copy)  # after the part's wait for its buffer
             pending.clear()
-    wrap("stream_part", part_begins, part_ends)
-    wrap("_fetch", first_read)
-    wrap("wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
-    wrap("end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
-    wrap("prefetch", after=lambda layer, *a, **k: marks.mark("ahead_end", layer, copy))
-    # the plan's upload (on the compute stream): does it wait behind the copy stream's reads?
-    wrap("upload_int_lists", before=lambda *a, **k: marks.mark("upload", marks.layer),
+    # a host-routed call counts itself right after its routing sync returns
+    wrap(mgr, "count_call", before=lambda layer, *a, **k: marks.mark("routed", layer))
+    wrap(mgr.streamed, "read_part", part_begins, part_ends)
+    wrap(mgr.staging, "fetch", first_read)
+    wrap(mgr.streamed, "wait_part", after=lambda s, p: marks.mark("kernels", s.layer))
+    wrap(mgr.streamed, "end_part", after=lambda s, p: marks.mark("kernels_end", s.layer))
+    # the plan's upload: does it wait behind the copy stream's reads?
+    wrap(mgr.uploads, "int_lists", before=lambda *a, **k: marks.mark("upload", marks.layer),
          after=lambda *a, **k: marks.mark("uploaded", marks.layer))
-    if hasattr(mgr, "read_ahead"):  # the streamed read-ahead tried in prefill_split-qwen3_moe-ahead*.json
-        wrap("read_ahead", after=lambda s, layer, *a, **k: marks.mark("ahead_end", layer, copy))
     return undo
 
 
@@ -256,14 +245,16 @@ def rebalancer_change(mgr, before: dict[str, int]) -> dict[str, int]:
 
 def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
     """One prefill of a Tiers ``model`` with every mark of ``instrument``, then counted
-    (``mgr.stats()`` settles its whole-layer calls): ``split``'s per-layer and total figures, the
+    (the stats settle its whole-layer calls): ``split``'s per-layer and total figures, the
     prefill's wall time (``prefill_ms``, marks included, to the device's end), the bytes it moved,
     the copy stream's rate over its busy time (``copy_gbps``), and what the rebalancer did from its
     start to its count (``rebalancer``: the change of each of its counters), and the synchronizing
     CUDA calls the forward made (``host_syncs``, ``host_syncs``' sites; empty without CUDA)."""
     cuda = ids.device.type == "cuda"
     marks = Marks(cuda)
-    before = sum(mgr.stats().bytes_moved.values())
+    from tiers import report
+
+    before = sum(report.stats(mgr).bytes_moved.values())
     counts = rebalancer_counts(mgr)
     with marking(model, mgr, marks):
         t0 = time.perf_counter()
@@ -273,7 +264,7 @@ def marked_prefill(model, mgr, ids: torch.Tensor) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     out = split(marks.resolved())
-    moved = sum(mgr.stats().bytes_moved.values()) - before
+    moved = sum(report.stats(mgr).bytes_moved.values()) - before
     copy_ms = out["total"]["copy_ms"]
     out.update(prefill_ms=wall * 1e3, moved_bytes=moved, copy_gbps=moved / copy_ms / 1e6 if copy_ms > 0 else None, host_syncs=syncs,
                rebalancer=rebalancer_change(mgr, counts))

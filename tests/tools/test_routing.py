@@ -218,7 +218,7 @@ def test_a_captured_hook_routes_each_replay_by_the_next_rows(model):
     those kernels move on, or every replayed step routes as the captured one. Checked on the CPU
     with a graph that replays only the recorded tensor ops (tests/replay_graph.py)."""
     from replay_graph import ReplayGraph
-    from tiers.step_graph import GRAPH_SAFE
+    from tiers.graphs.step_graphs import GRAPH_SAFE
 
     m, call = _first_layer_call(model)
     with TraceRouting(model, seed=12, tokens=8) as r:
@@ -300,16 +300,16 @@ def test_a_captured_hook_routes_each_replay_by_the_next_rows_cuda():
 
 def test_tiers_experts_implementation_looks_up_the_trace(packed_factory):
     import tiers
-    from tiers.integration import manager_of
-    from tiers.trace import lookups
+    from tiers.api import manager_of
+    from tiers.tools.trace import lookups
 
-    cfg = {"tiers": {"gpu": {"fraction": 0.25, "compute": "eager"}, "cpu": {"fraction": 0.4, "precision": "bf16"},
+    cfg = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.4, "precision": "bf16"},
                      "nvme": {"precision": "bf16"}}}
     model = tiers.load(packed_factory("mixtral"), cfg, device="cpu", progress=False)
     mgr = manager_of(model)
-    mgr.recorded = []
+    mgr.slots.recorded = []
     with TraceRouting(model, seed=10, tokens=32) as r, torch.no_grad():
         for t in range(6):  # one token per call: the engine looks up exactly that row's experts
             model(torch.tensor([[5 + t]]))
-    assert mgr.recorded == lookups(r.trace[:6], r.layers)
+    assert mgr.slots.recorded == lookups(r.trace[:6], r.layers)
     mgr.close()

@@ -89,15 +89,15 @@ def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_r
     import torch
 
     import tiers
-    import tiers.integration as integration
-    from tiers.integration import manager_of
+    from tiers.api import manager_of
     from tiers.tools.timeline import Marks, marking
 
     cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"},
                      "nvme": {"precision": "bf16"}}}
     model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
     mgr = manager_of(model)
-    route, attrs = integration._route, set(vars(mgr))
+    wrapped = (mgr, mgr.streamed, mgr.staging, mgr.uploads)
+    attrs = [set(vars(o)) for o in wrapped]
     hooks = [(len(layer._forward_pre_hooks), len(layer.mlp.experts._forward_hooks)) for layer in model.model.layers]
     ids = torch.randint(3, 256, (1, 32), generator=torch.Generator().manual_seed(1))
     marks = Marks(cuda=False)
@@ -105,7 +105,7 @@ def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_r
         assert marks.on
         with torch.no_grad():
             model(ids)
-    assert not marks.on and {w for w, *_ in marks.raw} >= {"layer", "experts", "experts_end"}
+    assert not marks.on and {w for w, *_ in marks.raw} >= {"layer", "experts", "experts_end", "routed"}
     taken = len(marks.raw)
     with torch.no_grad():
         model(ids)  # outside the block: no marks
@@ -113,7 +113,7 @@ def test_marking_marks_only_inside_its_block_and_undoes_its_hooks_even_when_it_r
     with pytest.raises(RuntimeError, match="in the block"):
         with marking(model, mgr, marks):
             raise RuntimeError("in the block")
-    assert not marks.on and integration._route is route and set(vars(mgr)) == attrs
+    assert not marks.on and [set(vars(o)) for o in wrapped] == attrs
     assert [(len(layer._forward_pre_hooks), len(layer.mlp.experts._forward_hooks)) for layer in model.model.layers] == hooks
     mgr.close()
 
