@@ -5,7 +5,7 @@ the expert's tensors one after another; programs of resident picks only look the
 Program (j, 0) also writes ``ids[j]`` and counts the pick (and its expert, with ``usage``).
 Measured on an H200 (PCIe 5 x16), reading INT8 experts of Qwen3-30B-A3B shapes this way moves
 46-47 GB/s for 4 experts and 50 GB/s for 32, against 55 GB/s for one large copy-engine copy
-(``bench/zero_copy_probe.py``). Launches after the first two of a specialization skip Triton's
+(``experiments/zero_copy_probe.py``). Launches after the first two of a specialization skip Triton's
 per-call dispatch (``quant.launch``).
 """
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts
     Every global read happens before the loop (the picks, their resident slots, the cache) and
     every write after it: the loop is register work only. A load inside it puts its memory latency
     on the critical path once per pick: on the H200, 8 picks over 16 lanes took 11.6 us a call
-    that way and take 7.9 now (``bench/plan_probe.py``, ``bench/results/plan_probe.json``)."""
+    that way and take 7.9 now (``experiments/results/plan_probe.json``)."""
     lane = tl.arange(0, RP)
     live = lane < R
     own = tl.load(owner + lane, mask=live, other=-1)

@@ -13,8 +13,7 @@ from .core import FieldSpec, QuantizedTensor, register
 from .launch import kernel_module
 
 MAX_STACK = 65535  # the CUDA kernel's grid puts the stack on its second axis
-USE_KERNEL = True  # False: torch.mul on CUDA too (kept for A/B runs: bench/prefill_split.py's dequant field)
-# Fewer codes than this go through torch.mul even on CUDA. On the H200 (bench/results/
+# Fewer codes than this go through torch.mul even on CUDA. On the H200 (experiments/results/
 # dequant_rate.json) one Qwen3-30B-A3B expert's gate and up codes (3.1 M) took 0.022 ms through
 # torch.mul and 0.047 through the kernel, host launch included; eight experts' down codes (12.6 M)
 # 0.068 against 0.050, and fifteen experts' gate and up codes 0.228 against 0.074.
@@ -75,9 +74,9 @@ _launch = None  # quant.int8_kernel.launch, once kernel_available() found it
 
 def _kernel_layout(qdata: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> tuple[int, ...] | None:
     """The kernel's view of a dequantization (``stack_layout``), or None where ``torch.mul`` runs
-    it: off CUDA, without Triton, with ``USE_KERNEL`` off, for fewer than ``KERNEL_MIN_CODES``
+    it: off CUDA, without Triton, for fewer than ``KERNEL_MIN_CODES``
     codes, or for dtypes other than int8 codes, fp32 scales and a bf16 or fp16 output."""
-    if not USE_KERNEL or out.device.type != "cuda" or qdata.numel() < KERNEL_MIN_CODES:
+    if out.device.type != "cuda" or qdata.numel() < KERNEL_MIN_CODES:
         return None
     if qdata.device != out.device or scale.device != out.device:
         return None

@@ -8,7 +8,7 @@ call goes to the model's own forward. It keeps the cache generate holds complete
 Why: batch-1 decode at these sizes is bound by the host launching kernels one by one from
 Python, not by the device. On the H200, untiered and all on the GPU, a 12-layer Qwen3-30B-A3B
 decode step took 19-22 ms op by op and 3.0 ms replayed as one graph; an 8-layer Mixtral-8x7B one
-8.7-12.6 ms and 3.8 ms (``bench/step_graph_probe.py``, ``bench/results/step_graph_probe.json``).
+8.7-12.6 ms and 3.8 ms (``experiments/step_graph_probe.py``, ``experiments/results/step_graph_probe.json``).
 Tiers' per-layer decode graphs (``tiers.graphs.graph_cache``) replay only the experts calls.
 
 How a step runs:

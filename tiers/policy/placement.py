@@ -88,7 +88,7 @@ def _check_precision(manifest: Manifest, key: str, precision: str) -> None:
 AUTO_STAGING_PER_TOP_K = 2  # staging_slots: auto -> this many slots per routed expert of a token
 # ... or more, up to twice as many, so that half of them (a streamed part) carries this many bytes
 # up: on the H200, a Qwen3-30B-A3B prefill in INT8 parts of 8 experts (38 MB) left the copy engine
-# idle 1.0 ms per layer behind the host, in parts of 16 for 0.01 ms (prefill_split-*-whole32.json)
+# idle 1.0 ms per layer behind the host, in parts of 16 for 0.01 ms (experiments/results/prefill_split-*-whole32.json)
 AUTO_PART_BYTES = 64 << 20
 # Lossy experts at most this large in transfer form are dequantized in stacks, a stack's copies
 # landing in consecutive transit rows (so a pool keeps a row per staging slot); larger ones go up
@@ -97,7 +97,7 @@ AUTO_PART_BYTES = 64 << 20
 # long before (Mixtral-8x7B on the H200: 0.75 ms to dequantize an expert, 3.2 ms to copy it up).
 # The rows a ring saves hold more slots: at 25% of Mixtral-8x7B's experts, 4 staging slots with
 # 4 rows left room for 9 hot experts, with 2 rows for 10 (replayed on the bench's skewed trace,
-# 0.493 of the lookups hit the GPU against 0.466: cache_bound-mixtral-splits.json; on the H200,
+# 0.493 of the lookups hit the GPU against 0.466: experiments/results/cache_bound-mixtral-splits.json; on the H200,
 # run 41's INT8 arms moved 1-7% fewer bytes per decoded token than run 40's), and auto staging
 # takes them for staging slots instead (AUTO_RING_PER_TOP_K: 8 hot and 6 staging).
 STACK_BYTES = 32 << 20
@@ -108,7 +108,7 @@ TRANSIT_RING = 2
 # it) is worth more than a hot one (which holds its expert whatever the last tokens used): with
 # Mixtral-8x7B's counts, replayed on the bench's skewed trace, 8 hot and 6 staging slots hit
 # 0.529 of the lookups against 0.493 for 10 and 4, and 24 and 6 hit 0.839 against 0.808 for 26
-# and 4, and as much or more on uniform routing (cache_bound-mixtral-splits*.json). On the H200
+# and 4, and as much or more on uniform routing (experiments/results/cache_bound-mixtral-splits*.json). On the H200
 # (bench-mixtral-staging6.md against run 41) the INT8 arms moved 1-10% fewer bytes per decoded
 # token with 6 staging slots (each arm still at its bytes bound) and their 2048-token prefills
 # took 2-7% longer (fewer hot experts, more bytes up).

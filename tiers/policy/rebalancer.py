@@ -54,7 +54,7 @@ class Rebalancer:
     # per pool: as many as fit PROMOTION_BYTES, at least MIN_BUFFERS, at most max_moves.
     # Why: a rebalance promotes at most one expert per free buffer, so with two the hot set of the
     # bench's skewed trace was still climbing after 800 tokens (every 8 tokens, Qwen3's counts on
-    # the CPU: bench/hot_converge.py, bench/results/hot_converge-qwen3_moe-*.json); small experts
+    # the CPU: experiments/hot_converge.py, experiments/results/hot_converge-qwen3_moe-*.json); small experts
     # cost little to buffer, large ones (Mixtral-8x7B: 336 MiB in bf16) keep two.
     MIN_BUFFERS = 2
     PROMOTION_BYTES = 64 << 20
@@ -208,7 +208,7 @@ class Rebalancer:
         mgr.staging.copy_stream.wait_event(compute)
         # Waited for on a rebalance thread, behind a prefill's reads at times: a blocking event,
         # so that thread sleeps. On the H200 a default event's wait spun 84-87% of a core for as
-        # long as it waited, a blocking one's 1% (bench/results/spin_probe.json).
+        # long as it waited, a blocking one's 1% (experiments/results/spin_probe.json).
         fence = mgr.streams.event(blocking=True)
         fence.record(mgr.staging.copy_stream)
         return fence
@@ -219,7 +219,7 @@ class Rebalancer:
         were placed side by side at load, and a streamed part copies each run of them that lies
         back to back with one copy: were every demoted expert left in the spare it was read into,
         each swap would split two runs (a model of 12 layers of 128 experts went from one run
-        per layer to 15-31 after 156 swaps, ``bench/hot_layout.py``)."""
+        per layer to 15-31 after 156 swaps, ``experiments/hot_layout.py``)."""
         mgr = self.mgr
         nbytes = mgr.manifest.ref(key, mgr.cfg.cpu.precision).nbytes
         copy = self._submit(self._copy_after, self._host_fence(), mgr.host.view(spare, nbytes), mgr.host.view(place, nbytes))

@@ -11,7 +11,7 @@ Why: a streamed part queues a copy per expert tensor (bf16: into its slot of eac
 run of blobs (INT8: into transit rows), and each ``copy_`` from pinned memory costs the host
 its own dispatch. On the H200 host a part of 8 or 16 Qwen3-30B-A3B bf16 experts took 33-36 us
 of host time per expert as two ``copy_`` calls each, and 5.9-7.2 us per expert as one batch, at
-the same copy rate (``bench/results/h2d_probe.json``); the host's time per part is what a
+the same copy rate (``experiments/results/h2d_probe.json``); the host's time per part is what a
 prefill that waits for its routing spends between its layers.
 """
 from __future__ import annotations
