@@ -53,9 +53,8 @@ class _Layer:
 
 @dataclass
 class _Reserved:
-    slots: list[int]
-    cache: direct.SlotCache  # what the slots hold, kept and decided on the device
-    every: bool  # the slots are all the pool's staging slots: the host-routed path has none
+    cache: direct.SlotCache  # what the slots the table has reserved for "direct" hold, kept and decided on the device
+    every: bool  # they are all the pool's staging slots: the host-routed path has none
 
 
 class DirectPath:
@@ -152,10 +151,14 @@ class DirectPath:
                 table.release(pool.index, s, None)
 
     def agrees(self) -> bool:
-        """Whether the device tables equal the table's arrays (syncs; tests and checks)."""
+        """Whether the device-side copies agree with the table (syncs; tests and checks): the device
+        tables with its arrays, and each reserved slot cache's slots with the slots it has reserved."""
+        t = self.mgr.table
+        for pool, r in self.reserved.items():
+            if r.cache.slots.tolist() != t.reserved_slots(pool, "direct"):
+                return False
         if self._starts is None:
             return True
-        t = self.mgr.table
         starts = np.where(t.hot_mask, 0, t.host_offset)
         return bool((self._starts.view(-1).cpu().numpy() == starts).all() and (self._resident.view(-1).cpu().numpy() == t.hot_slot).all())
 
@@ -188,7 +191,7 @@ class DirectPath:
             if cache is None:
                 cache = self._caches[(pool.index, tuple(slots))] = direct.SlotCache.new(slots, len(grid.layers), grid.width, mgr.device)
             cache.clear()  # the slots' contents are the host-routed path's leftovers
-            self.reserved[pool.index] = _Reserved(slots, cache, every)
+            self.reserved[pool.index] = _Reserved(cache, every)
 
     def end_stage(self) -> None:
         """Give the reserved slots back, and keep each pool's mean miss bytes per decode layer call
@@ -217,14 +220,16 @@ class DirectPath:
             return
         ev = self.mgr.streams.event()
         ev.record(self.mgr.streams.current())
-        for s in r.slots:
+        for s in list(self.mgr.table.reserved_slots(pool.index, "direct")):
             self.mgr.table.unreserve(pool.index, s, "direct", ev, keep=False)
 
     def qualifies(self, layer: int, picks: int) -> bool:
         """Whether a call of ``picks`` picks at ``layer`` runs direct now: its layer qualifies and
         its pool reserved slots for at least that many misses."""
-        r = self.reserved.get(self.mgr.pool_of[layer].index) if self.reserved else None
-        return r is not None and self.layers is not None and layer in self.layers and picks <= len(r.slots)
+        if not self.reserved or self.layers is None or layer not in self.layers:
+            return False
+        pool = self.mgr.pool_of[layer].index
+        return pool in self.reserved and picks <= len(self.mgr.table.reserved_slots(pool, "direct"))
 
     def leave(self, pool: SlotPool) -> None:
         """A host-routed call of ``pool``: if its reserved slots are all the pool's staging slots,
@@ -236,7 +241,7 @@ class DirectPath:
     def room(self, pool: SlotPool) -> int:
         """Staging slots of ``pool`` a host-routed call may use once it has ``leave``d."""
         r = self.reserved.get(pool.index)
-        return len(pool.staging) - (len(r.slots) if r is not None and not r.every else 0)
+        return len(pool.staging) - (len(self.mgr.table.reserved_slots(pool.index, "direct")) if r is not None and not r.every else 0)
 
     # -- calls ---------------------------------------------------------------------------------
     def run(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -87,7 +87,7 @@ _ORDER = itertools.count()  # the order ready events are recorded in, across poo
 class _Pool:
     """One pool's slot records (the table's own; nobody else writes them)."""
 
-    __slots__ = ("occupant", "writing", "readers", "reserved", "hot", "ready", "last_read", "pending")
+    __slots__ = ("occupant", "writing", "readers", "reserved", "hot", "ready", "last_read", "pending", "by")
 
     def __init__(self, n: int):
         self.occupant: list[ExpertKey | None] = [None] * n
@@ -98,6 +98,7 @@ class _Pool:
         self.ready: list[Pending | None] = [None] * n
         self.last_read: list[Any | None] = [None] * n
         self.pending: set[int] = set()  # slots whose ready event nobody has waited on yet
+        self.by: dict[str, list[int]] = {}  # reserver -> its slots, ascending (an index of ``reserved``)
 
 
 class Table:
@@ -151,6 +152,10 @@ class Table:
 
     def reserved(self, pool: int, slot: int) -> str | None:
         return self._pools[pool].reserved[slot]
+
+    def reserved_slots(self, pool: int, by: str) -> list[int]:
+        """The slots of ``pool`` that ``by`` holds reserved, ascending (read only)."""
+        return self._pools[pool].by.get(by, [])
 
     def last_read(self, pool: int, slot: int) -> Any | None:
         return self._pools[pool].last_read[slot]
@@ -369,6 +374,9 @@ class Table:
         if not keep:
             self._empty(p, slot)
         p.reserved[slot] = by
+        mine = p.by.setdefault(by, [])
+        mine.append(slot)
+        mine.sort()
         return None if keep else old
 
     def unreserve(self, pool: int, slot: int, by: str, last_read: Any | None, *, keep: bool) -> None:
@@ -382,6 +390,7 @@ class Table:
         if not keep:
             self._empty(p, slot)
         p.reserved[slot] = None
+        p.by[by].remove(slot)
         if last_read is not None:
             p.last_read[slot] = last_read
 
@@ -419,6 +428,7 @@ class Table:
             assert self.hot_mask[i] == r.hot and self.warm_mask[i] == (r.home is Home.CPU), f"{key}: masks disagree"
             assert self.hot_slot[i] == (r.slot if r.hot else -1) and self.host_offset[i] == (r.host_offset if r.host_offset is not None else -1)
         for pi, p in enumerate(self._pools):
+            assert all(p.reserved[s] == by for by, slots in p.by.items() for s in slots), f"pool {pi}: reservation index disagrees"
             for s, key in enumerate(p.occupant):
                 assert p.readers[s] >= 0
                 if key is not None:
@@ -426,5 +436,6 @@ class Table:
                 else:
                     assert not p.writing[s] and not p.hot[s] and s not in p.pending, f"empty slot {(pi, s)} with state"
                 assert not (p.hot[s] and p.reserved[s]), f"hot slot {(pi, s)} reserved"
+                assert p.reserved[s] is None or s in p.by.get(p.reserved[s], ()), f"slot {(pi, s)}: reservation index disagrees"
                 assert (s in p.pending) == (p.ready[s] is not None), f"slot {(pi, s)}: pending set disagrees"
                 assert p.ready[s] is None or p.writing[s], f"slot {(pi, s)}: a ready event without a write"
