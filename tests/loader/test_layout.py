@@ -70,7 +70,7 @@ def _toy(*, gated=True, bias=False, act=True, extra=False, post_norm=None, **fla
         (dict(gated=False), None),
         (dict(bias=True, is_transposed=True), None),
         (dict(post_norm=True), None),
-        (dict(gated=False, act=False), "its experts have no act_fn, which Tiers' grouped experts forward"),
+        (dict(gated=False, act=False), "its experts have no act_fn, which Tiers' experts forward"),
         (dict(bias=True, has_bias=False), "its expert tensors ['down_proj_bias', 'gate_up_proj_bias'] are none the forwards read"),
         (dict(has_bias=True), "its experts have no ['down_proj_bias', 'gate_up_proj_bias'], which the forwards read (has_gate=True, has_bias=True)"),
         (dict(extra=True), "its expert tensors ['down_scale'] are none the forwards read, so they would be left out"),
