@@ -387,14 +387,19 @@ def test_gpt_oss_is_refused_before_anything_is_written(gpt_oss_checkpoint, tmp_p
 
 
 def test_gpt_oss_refusal_names_the_failure_a_pack_would_meet(gpt_oss_checkpoint, tmp_path, monkeypatch):
-    """The reason is real: packed past the check, GPT-OSS loads, then its first forward fails on
-    the act_fn the reason names. (When the forwards stop needing it, this fails: update
+    """The reason is real, and load refuses too: packed past pack's check, GPT-OSS is refused at
+    load with the same reason; let past load's check as well, its first forward fails on the
+    act_fn the reason names. (When the forwards stop needing it, this fails: update
     ``unservable`` with them.)"""
     import tiers
+    import tiers.api
 
     monkeypatch.setattr(pack_module, "unservable", lambda module: None)
     dst = tmp_path / "packed"
     pack(gpt_oss_checkpoint, dst, progress=False)
+    with pytest.raises(ValueError, match=r"gpt_oss \(GptOssExperts\): its experts have no act_fn"):
+        tiers.load(dst, device="cpu", progress=False)
+    monkeypatch.setattr(tiers.api, "unservable", lambda module: None)
     model = tiers.load(dst, device="cpu", progress=False)
     with pytest.raises(AttributeError, match="'GptOssExperts' object has no attribute 'act_fn'"):
         model(torch.tensor([[1, 2, 3]]))
