@@ -70,6 +70,7 @@ import pstats  # noqa: E402
 import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -181,6 +182,85 @@ def parse_arm(name: str) -> tuple[int, str, bool, frozenset[str], str | None]:
     return int(pct), precision, bool(nodirect), names, skewed
 
 
+def _measure(ctx, name, m, variants=frozenset()) -> None:
+    """Time one arm (routed by the skewed trace for an ``@skewed`` arm) into ``ctx.result``."""
+    from tiers.tools.routing import TraceRouting
+
+    if "@skewed" in name:  # as tools/bench.py routes its skewed arms
+        with TraceRouting(m, tokens=4096):
+            return _measured(ctx, name, m, variants)
+    return _measured(ctx, name, m, variants)
+
+
+def _measured(ctx, name, m, variants) -> None:
+    """One arm's decode ms per token, its per-step split on the host and the device, and its profile."""
+    from tiers.integration import manager_of
+    from tiers.tools.bench_tiers import rebalance_warmup_generates
+    from tiers.tools.measure import decode_ms_per_token
+
+    args, prompt, device, result = ctx.args, ctx.prompt, ctx.device, ctx.result
+    kw = dict(do_sample=False, pad_token_id=0)
+    m.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
+    if name.endswith("@skewed") and not name.startswith("all_gpu"):  # the rebalancer's own warm-up
+        for n in rebalance_warmup_generates(args.rebalance_warmup):
+            m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
+    with timed_conditions(variants):
+        row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
+    clock = Clock(device)
+    handles = clock.attach(m)
+    splits = []
+    steps = Steps()
+    if not name.startswith("all_gpu"):
+        from tiers.quant import direct
+
+        mgr = manager_of(m)
+        for attr in ("direct_ready", "fetch_direct"):
+            steps.wrap(mgr, attr, attr)
+        steps.wrap(direct, "fetch", "launch")
+        if mgr.rebalancer is not None:  # its serving-thread steps (the reads run on its own threads)
+            for attr in ("take_direct_usage", "_refresh_direct"):
+                steps.wrap(mgr, attr, attr)
+            for attr in ("note_call", "land", "rebalance", "_issue", "_finish_hot"):
+                steps.wrap(mgr.rebalancer, attr, "rebalancer." + attr)
+    load = name.endswith("+h2d") and device.type == "cuda"
+    if load:
+        src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+        side = torch.cuda.Stream(device)
+    for _ in range(args.reps):
+        if load:  # ~55 GB/s for as long as the generate takes (bounded by 48 copies, 12 GiB)
+            with torch.cuda.stream(side):
+                for _ in range(48):
+                    dst.copy_(src, non_blocking=True)
+        clock.marks, clock.on = [], True
+        with timed_conditions(variants):
+            m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+        clock.on = False
+        splits.append(clock.split(args.layers))
+        if load:
+            side.synchronize()
+    steps.restore()
+    for h in handles:
+        h.remove()
+    row |= {k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "token_ms_all"}
+    row["token_ms_all"] = [s["token_ms_all"] for s in splits]
+    if args.cprofile:  # the prompt's forward is in it too; per decode token regardless
+        prof = cProfile.Profile()
+        with timed_conditions(variants):
+            prof.enable()
+            m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
+            prof.disable()
+        row["cprofile_top"] = top_functions(prof, args.cprofile, args.tokens - 1)
+    # per decode token (the prompt's forward runs none of these: direct decode is decode only)
+    row |= {f"host_{k}_ms": v / (args.reps * (args.tokens - 1)) for k, v in steps.ms.items()}
+    if name.startswith("tiers_"):
+        mgr = manager_of(m)  # which path the last stage took, and the mean it chose the next by
+        row["host_routed_pools"] = len(mgr.host_routed_pools)
+        row["decode_miss_mib_per_call"] = {str(i): b / 2**20 for i, b in enumerate(mgr.decode_miss_bytes.values())}
+    result["arms"][name] = row
+    print(name, json.dumps({k: round(v, 3) for k, v in row.items() if isinstance(v, float)}), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3_moe")
@@ -195,10 +275,9 @@ def main() -> int:
     args = ap.parse_args()
 
     import tiers
-    from tiers.tools.bench_tiers import rebalance_warmup_generates
     from tiers.engine import TierManager
     from tiers.integration import manager_of
-    from tiers.tools.measure import build_packed, decode_ms_per_token, expert_bytes_of, scratch_dir, shape_of, write_result
+    from tiers.tools.measure import build_packed, expert_bytes_of, scratch_dir, shape_of, write_result
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     work = scratch_dir("tiers-split-")
@@ -213,75 +292,10 @@ def main() -> int:
               "host": {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                        "intra_op_threads": torch.get_num_threads(), "parallel_info": torch.__config__.parallel_info().splitlines()}}
 
+    ctx = SimpleNamespace(args=args, prompt=prompt, device=device, result=result)
+
     def measure(name, m, variants=frozenset()) -> None:
-        from tiers.tools.routing import TraceRouting
-
-        if "@skewed" in name:  # as tools/bench.py routes its skewed arms
-            with TraceRouting(m, tokens=4096):
-                return measured(name, m, variants)
-        return measured(name, m, variants)
-
-    def measured(name, m, variants) -> None:
-        kw = dict(do_sample=False, pad_token_id=0)
-        m.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
-        if name.endswith("@skewed") and not name.startswith("all_gpu"):  # the rebalancer's own warm-up
-            for n in rebalance_warmup_generates(args.rebalance_warmup):
-                m.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)
-        with timed_conditions(variants):
-            row = {"decode_ms_per_token": statistics.median(decode_ms_per_token(m, prompt, args.tokens, device, 1) for _ in range(args.reps))}
-        clock = Clock(device)
-        handles = clock.attach(m)
-        splits = []
-        steps = Steps()
-        if not name.startswith("all_gpu"):
-            from tiers.quant import direct
-
-            mgr = manager_of(m)
-            for attr in ("direct_ready", "fetch_direct"):
-                steps.wrap(mgr, attr, attr)
-            steps.wrap(direct, "fetch", "launch")
-            if mgr.rebalancer is not None:  # its serving-thread steps (the reads run on its own threads)
-                for attr in ("take_direct_usage", "_refresh_direct"):
-                    steps.wrap(mgr, attr, attr)
-                for attr in ("note_call", "land", "rebalance", "_issue", "_finish_hot"):
-                    steps.wrap(mgr.rebalancer, attr, "rebalancer." + attr)
-        load = name.endswith("+h2d") and device.type == "cuda"
-        if load:
-            src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
-            dst = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-            side = torch.cuda.Stream(device)
-        for _ in range(args.reps):
-            if load:  # ~55 GB/s for as long as the generate takes (bounded by 48 copies, 12 GiB)
-                with torch.cuda.stream(side):
-                    for _ in range(48):
-                        dst.copy_(src, non_blocking=True)
-            clock.marks, clock.on = [], True
-            with timed_conditions(variants):
-                m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
-            clock.on = False
-            splits.append(clock.split(args.layers))
-            if load:
-                side.synchronize()
-        steps.restore()
-        for h in handles:
-            h.remove()
-        row |= {k: statistics.median(s[k] for s in splits) for k in splits[0] if k != "token_ms_all"}
-        row["token_ms_all"] = [s["token_ms_all"] for s in splits]
-        if args.cprofile:  # the prompt's forward is in it too; per decode token regardless
-            prof = cProfile.Profile()
-            with timed_conditions(variants):
-                prof.enable()
-                m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, **kw)
-                prof.disable()
-            row["cprofile_top"] = top_functions(prof, args.cprofile, args.tokens - 1)
-        # per decode token (the prompt's forward runs none of these: direct decode is decode only)
-        row |= {f"host_{k}_ms": v / (args.reps * (args.tokens - 1)) for k, v in steps.ms.items()}
-        if name.startswith("tiers_"):
-            mgr = manager_of(m)  # which path the last stage took, and the mean it chose the next by
-            row["host_routed_pools"] = len(mgr.host_routed_pools)
-            row["decode_miss_mib_per_call"] = {str(i): b / 2**20 for i, b in enumerate(mgr.decode_miss_bytes.values())}
-        result["arms"][name] = row
-        print(name, json.dumps({k: round(v, 3) for k, v in row.items() if isinstance(v, float)}), flush=True)
+        _measure(ctx, name, m, variants)
 
     for name in arms:
         if name.startswith("tiers_"):

@@ -152,7 +152,7 @@ STEPS = ("begin_call", "begin_stream", "stream_part", "wait_part", "end_part", "
          "settle", "defer_whole")
 
 
-def main() -> int:
+def _args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen3_moe")
     ap.add_argument("--layers", type=int, default=12)
@@ -163,29 +163,11 @@ def main() -> int:
     ap.add_argument("--rebalance-every", type=int, default=8, help="rebal routes: rebalance every this many tokens (as tools/bench.py)")
     ap.add_argument("--warm-generates", type=int, default=16, help="rebal routes: decode generates of 33 tokens before timing")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    specs = {spec: parse_spec(spec) for spec in args.configs.split(",")}  # a bad spec is refused before anything runs
+    return ap.parse_args()
 
-    import tiers
-    import tiers.integration as integration
-    from experiments.decode_split import Steps
-    from experiments.hot_layout import layout_summary
-    from tiers.quant import int8 as int8_scheme
-    from tiers.integration import manager_of
-    from tiers.tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, warm_config, write_result
-    from tiers.graphs import DecodeGraphs
-    from tiers.tools.routing import TraceRouting
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    work = scratch_dir("tiers-prefill-split-")
-    plain, packed = build_packed(args.model, args.layers, device, work)
-    ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
-    prompt = ids[:, :16]  # the rebal routes' decode generates
-    result = {"command": "python experiments/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
-              "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
-              "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
-    prefill_seconds(plain, ids, device, 1)
+def _all_gpu(plain, ids, cuda: bool) -> dict:
+    """The untiered model's host time per layer, before and in its experts calls, and its kernels."""
     marks = Marks(cuda)  # the untiered model's host time per layer, before and in its experts calls
     undo = hook_layers(plain, marks)
     with torch.no_grad():
@@ -194,15 +176,58 @@ def main() -> int:
         marks.on = False
     for u in undo:
         u()
-    result["all_gpu"] = split(marks.resolved())["median"]
-    result["all_gpu"]["host_experts_ms"] = statistics.median(
+    out = split(marks.resolved())["median"]
+    out["host_experts_ms"] = statistics.median(
         b[2] - a[2] for a, b in zip(marks.resolved(), marks.resolved()[1:]) if a[0] == "experts" and b[0] == "experts_end")
-    result["all_gpu"]["kernels"] = kernel_split(plain, ids, cuda)
-    print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items() if not isinstance(v, dict)}),
-          json.dumps(result["all_gpu"]["kernels"]), flush=True)
+    out["kernels"] = kernel_split(plain, ids, cuda)
+    return out
+
+
+def _report(result: dict, loaded: dict, reps: dict, layouts: dict, n_experts: int) -> None:
+    """Each config's medians over the repetitions into ``result``, printed as they are."""
+    from experiments.hot_layout import layout_summary
+
+    for spec, (cfg, m, mgr, _) in loaded.items():
+        r = reps[spec]
+        med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
+        med["over_bound"] = med["prefill_s"] / med["bound_s"]
+        med["dependency_bound_s"] = dependency_bound_s(result["all_gpu"]["kernels"], med["moved_bytes"])
+        med["over_dependency_bound"] = med["prefill_s"] / med["dependency_bound_s"]
+        med["prefetch"] = r[-1]["prefetch"]
+        med["timeline"] = r[-1]["timeline"]
+        for r_ in r:
+            del r_["timeline"]
+        for part in ("median", "total", "host_steps_ms", "host_step_calls"):
+            keys = sorted({k for x in r for k in x[part]})
+            med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
+        pool = mgr.pool_of[min(mgr.pool_of)]
+        result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r,
+                                   "whole_graphs": mgr.whole_graphs.counts()}
+        if spec in layouts:
+            result["configs"][spec]["layout"] = layouts[spec] | {"end": layout_summary(mgr.table, sorted(mgr.manifest.layers), n_experts)}
+            if mgr.rebalancer is not None:
+                result["configs"][spec]["rebalancer"] = mgr.rebalancer.report()
+            print("   layout", json.dumps(result["configs"][spec]["layout"]), flush=True)
+        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, (dict, list))}), json.dumps(med["prefetch"]),
+              json.dumps(mgr.whole_graphs.counts()), flush=True)
+        for part in ("total", "median", "host_steps_ms", "host_step_calls"):
+            print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
+        mgr.close()
+
+
+def _load_all(specs: dict, args, packed, device, ids, prompt, n_experts: int) -> tuple[dict, dict]:
+    """Every config's model, loaded up front (each repetition runs them all in turn), warmed up,
+    and the hot slots' layout of those that follow a trace."""
+    import tiers
+    from experiments.hot_layout import layout_summary
+    from tiers.graphs import DecodeGraphs
+    from tiers.integration import manager_of
+    from tiers.quant import int8 as int8_scheme
+    from tiers.tools.measure import prefill_seconds, warm_config
+    from tiers.tools.routing import TraceRouting
+
     loaded = {}  # every config's model, loaded up front: each repetition runs them all in turn
     layouts = {}
-    n_experts = getattr(plain.config, "num_local_experts", None) or plain.config.num_experts
     for spec, f in specs.items():
         cfg = warm_config(f["precision"], f["staging"], f["depth"], f["fraction"])
         if f["route"].startswith("rebal"):
@@ -234,6 +259,33 @@ def main() -> int:
             layouts[spec]["timed"] = layout_summary(mgr.table, layers, n_experts)
         prefill_seconds(m, ids, device, 1)  # warm-up (the cache settles)
         loaded[spec] = (cfg, m, mgr, f["dequant"] == "kernel")
+    return loaded, layouts
+
+
+def main() -> int:
+    args = _args()
+    specs = {spec: parse_spec(spec) for spec in args.configs.split(",")}  # a bad spec is refused before anything runs
+
+    import tiers.integration as integration
+    from experiments.decode_split import Steps
+    from tiers.quant import int8 as int8_scheme
+    from tiers.tools.measure import build_packed, prefill_seconds, scratch_dir, shape_of, write_result
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    work = scratch_dir("tiers-prefill-split-")
+    plain, packed = build_packed(args.model, args.layers, device, work)
+    ids = torch.randint(0, plain.config.vocab_size, (1, args.prefill), generator=torch.Generator().manual_seed(1)).to(device)
+    prompt = ids[:, :16]  # the rebal routes' decode generates
+    result = {"command": "python experiments/prefill_split.py " + " ".join(sys.argv[1:]), "model": args.model,
+              "shape": shape_of(args.model, args.layers, device), "prefill_tokens": args.prefill,
+              "device": torch.cuda.get_device_name(device) if cuda else "cpu", "configs": {}}
+    prefill_seconds(plain, ids, device, 1)
+    result["all_gpu"] = _all_gpu(plain, ids, cuda)
+    print("all_gpu", json.dumps({k: round(v, 3) for k, v in result["all_gpu"].items() if not isinstance(v, dict)}),
+          json.dumps(result["all_gpu"]["kernels"]), flush=True)
+    n_experts = getattr(plain.config, "num_local_experts", None) or plain.config.num_experts
+    loaded, layouts = _load_all(specs, args, packed, device, ids, prompt, n_experts)
     reps = {spec: [] for spec in loaded}
     for _ in range(args.reps):
         gpu = prefill_seconds(plain, ids, device, 1)
@@ -264,32 +316,7 @@ def main() -> int:
             reps[spec].append({"prefill_s": t, "all_gpu_prefill_s": gpu, "moved_bytes": moved, "prefetch": ahead,
                                "bound_s": max(gpu, moved / H2D_BYTES_PER_S)} | s)
     int8_scheme.USE_KERNEL = True
-    for spec, (cfg, m, mgr, _) in loaded.items():
-        r = reps[spec]
-        med = {k: statistics.median(x[k] for x in r) for k in ("prefill_s", "all_gpu_prefill_s", "moved_bytes", "bound_s")}
-        med["over_bound"] = med["prefill_s"] / med["bound_s"]
-        med["dependency_bound_s"] = dependency_bound_s(result["all_gpu"]["kernels"], med["moved_bytes"])
-        med["over_dependency_bound"] = med["prefill_s"] / med["dependency_bound_s"]
-        med["prefetch"] = r[-1]["prefetch"]
-        med["timeline"] = r[-1]["timeline"]
-        for r_ in r:
-            del r_["timeline"]
-        for part in ("median", "total", "host_steps_ms", "host_step_calls"):
-            keys = sorted({k for x in r for k in x[part]})
-            med[part] = {k: statistics.median(x[part][k] for x in r if k in x[part]) for k in keys}
-        pool = mgr.pool_of[min(mgr.pool_of)]
-        result["configs"][spec] = {"config": cfg, "staging_slots": pool.n_slots - mgr.hot_count[id(pool)], "median": med, "reps": r,
-                                   "whole_graphs": mgr.whole_graphs.counts()}
-        if spec in layouts:
-            result["configs"][spec]["layout"] = layouts[spec] | {"end": layout_summary(mgr.table, sorted(mgr.manifest.layers), n_experts)}
-            if mgr.rebalancer is not None:
-                result["configs"][spec]["rebalancer"] = mgr.rebalancer.report()
-            print("   layout", json.dumps(result["configs"][spec]["layout"]), flush=True)
-        print(spec, json.dumps({k: v for k, v in med.items() if not isinstance(v, (dict, list))}), json.dumps(med["prefetch"]),
-              json.dumps(mgr.whole_graphs.counts()), flush=True)
-        for part in ("total", "median", "host_steps_ms", "host_step_calls"):
-            print("  ", part, json.dumps({k: round(v, 3) for k, v in med[part].items()}), flush=True)
-        mgr.close()
+    _report(result, loaded, reps, layouts, n_experts)
     write_result(args.out, result)
     return 0
 

@@ -44,21 +44,11 @@ def per_token(fn, tokens: int, reps: int) -> float:
     return min(once(1 + tokens) - once(1) for _ in range(reps)) * 1e3 / tokens
 
 
-def probe(model_type: str, layers: int, tokens: int, reps: int) -> dict:
-    from transformers import StaticCache
-
+def _static_generate(model, prompt, gen, g, kw: dict, tokens: int, reps: int) -> dict:
+    """generate with transformers' static cache: per token, whether the cache is kept across
+    generates at one address, and a 2048-token prefill against the dynamic cache's."""
     dev = torch.device("cuda")
-    model = build(model_type, dict(SHAPES[model_type], layers=layers), dev)
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=g).to(dev)
-    res = {"layers": layers}
-    kw = dict(do_sample=False, pad_token_id=0)
-
-    def gen(n, **extra):
-        with torch.inference_mode():
-            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw, **extra)
-
-    res["dynamic_ms"] = per_token(gen, tokens, reps)
+    res = {}
     static = dict(cache_implementation="static", disable_compile=True)
     try:
         res["static_generate_ms"] = per_token(lambda n: gen(n, **static), tokens, reps)
@@ -100,7 +90,25 @@ def probe(model_type: str, layers: int, tokens: int, reps: int) -> dict:
         res["static_generate_tokens_equal_dynamic"] = torch.equal(gen(tokens, **static), gen(tokens))
     except Exception:
         res["static_generate_error"] = traceback.format_exc()[-2000:]
+    return res
 
+
+def probe(model_type: str, layers: int, tokens: int, reps: int) -> dict:
+    from transformers import StaticCache
+
+    dev = torch.device("cuda")
+    model = build(model_type, dict(SHAPES[model_type], layers=layers), dev)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 32), generator=g).to(dev)
+    res = {"layers": layers}
+    kw = dict(do_sample=False, pad_token_id=0)
+
+    def gen(n, **extra):
+        with torch.inference_mode():
+            return model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw, **extra)
+
+    res["dynamic_ms"] = per_token(gen, tokens, reps)
+    res.update(_static_generate(model, prompt, gen, g, kw, tokens, reps))
     max_len = 32 + tokens + 8
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     ids = torch.zeros(1, 1, dtype=torch.long, device=dev)

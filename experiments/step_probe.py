@@ -76,7 +76,7 @@ def device_allocs(device) -> tuple[int, int]:
     return s.get("num_device_alloc", 0), s.get("num_device_free", 0)
 
 
-def main() -> int:
+def _args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="mixtral")
     ap.add_argument("--layers", type=int, default=8)
@@ -89,7 +89,25 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=8, help="forwards profiled (cProfile), from --profile-from on")
     ap.add_argument("--profile-from", type=int, default=40)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _summary(steps: list[dict]) -> dict:
+    """Medians of the timed (not profiled) steps, a model's repeated step apart from a switch."""
+    timed = [r for r in steps if not r["profiled"]]
+    by = {}
+    for key, sel in (("repeat", lambda r: r["repeat"]), ("switch", lambda r: not r["repeat"])):
+        rs = [r for r in timed if sel(r)]
+        if rs:
+            by[key] = {"n": len(rs), "host_ms_median": statistics.median(r["host_ms"] for r in rs),
+                       "cpu_ms_median": statistics.median(r["cpu_ms"] for r in rs),
+                       "faults_mean": statistics.fmean(r["faults"] for r in rs),
+                       "gc_ms_sum": round(sum(sum(r["gc_ms"]) for r in rs), 3)}
+    return by
+
+
+def main() -> int:
+    args = _args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.cudnn_sdpa == "off":
         torch.backends.cuda.enable_cudnn_sdp(False)
@@ -142,15 +160,7 @@ def main() -> int:
                     profiles.append({"step": step, "model": i, "repeat": rec["repeat"], "host_ms": rec["host_ms"], "top": s.getvalue()})
     gc.callbacks.remove(clock)
     gc.enable()
-    timed = [r for r in steps if not r["profiled"]]
-    by = {}
-    for key, sel in (("repeat", lambda r: r["repeat"]), ("switch", lambda r: not r["repeat"])):
-        rs = [r for r in timed if sel(r)]
-        if rs:
-            by[key] = {"n": len(rs), "host_ms_median": statistics.median(r["host_ms"] for r in rs),
-                       "cpu_ms_median": statistics.median(r["cpu_ms"] for r in rs),
-                       "faults_mean": statistics.fmean(r["faults"] for r in rs),
-                       "gc_ms_sum": round(sum(sum(r["gc_ms"]) for r in rs), 3)}
+    by = _summary(steps)
     result = {"command": "python experiments/step_probe.py " + " ".join(sys.argv[1:]), "shape": shape, "device": str(device),
               "torch": torch.__version__, "summary": by, "steps": steps, "profiles": profiles}
     print(by, flush=True)

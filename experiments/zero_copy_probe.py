@@ -45,6 +45,41 @@ def _dequant(pool, blob_off, slots, out, q_off, s_off, slot_elems, cols, n_elem,
     tl.store(out + slot * slot_elems + i, (q.to(tl.float32) * s).to(tl.bfloat16), mask=m)
 
 
+def _host_costs(host, stride: int, transit, slabs, fields, blob_off, slots_d) -> dict:
+    """Host microseconds per fused launch pair, per copy and per torch.mul, 200 of each, no sync in between."""
+    res = {}
+    blob_off1 = blob_off[:1].clone()
+    slots1 = slots_d[:1].clone()
+    def one():
+        for (q_off, s_off, r, c), slab in zip(fields, slabs):
+            _dequant[(1, triton.cdiv(r * c, 8192))](host, blob_off1, slots1, slab, q_off, s_off, r * c, c, r * c, BLOCK=8192, num_warps=4)
+    one()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(200):
+        one()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    res["host_us_per_launch_pair"] = (t1 - t0) / 200 * 1e6
+    src = host[:stride]
+    t0 = time.perf_counter()
+    for _ in range(200):
+        transit[0].copy_(src, non_blocking=True)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    res["host_us_per_copy"] = (t1 - t0) / 200 * 1e6
+    q = transit[0, :1536 * 2048].view(torch.int8).view(1536, 2048)
+    sc = transit[0, :1536 * 4].view(torch.float32).view(1536, 1)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        torch.mul(q, sc, out=slabs[0][0])
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    res["host_us_per_mul"] = (t1 - t0) / 200 * 1e6
+    print(json.dumps({k: res[k] for k in ("host_us_per_launch_pair", "host_us_per_copy", "host_us_per_mul")}), flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -109,37 +144,8 @@ def main() -> None:
                     row["fused"].append({"block": block, "warps": warps, "s": t, "gbps": nbytes / t / 1e9, "exact": exact})
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
-        # host time per launch pair (both tensors), small n, no sync in between
-        if name == "qwen3_moe":
-            blob_off1 = blob_off[:1].clone()
-            slots1 = slots_d[:1].clone()
-            def one():
-                for (q_off, s_off, r, c), slab in zip(fields, slabs):
-                    _dequant[(1, triton.cdiv(r * c, 8192))](host, blob_off1, slots1, slab, q_off, s_off, r * c, c, r * c, BLOCK=8192, num_warps=4)
-            one()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(200):
-                one()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            res["host_us_per_launch_pair"] = (t1 - t0) / 200 * 1e6
-            src = host[:stride]
-            t0 = time.perf_counter()
-            for _ in range(200):
-                transit[0].copy_(src, non_blocking=True)
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            res["host_us_per_copy"] = (t1 - t0) / 200 * 1e6
-            q = transit[0, :1536 * 2048].view(torch.int8).view(1536, 2048)
-            sc = transit[0, :1536 * 4].view(torch.float32).view(1536, 1)
-            t0 = time.perf_counter()
-            for _ in range(200):
-                torch.mul(q, sc, out=slabs[0][0])
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            res["host_us_per_mul"] = (t1 - t0) / 200 * 1e6
-            print(json.dumps({k: res[k] for k in ("host_us_per_launch_pair", "host_us_per_copy", "host_us_per_mul")}), flush=True)
+        if name == "qwen3_moe":  # host time per launch pair (both tensors), small n, no sync in between
+            res.update(_host_costs(host, stride, transit, slabs, fields, blob_off, slots_d))
         torch.cuda.cudart().cudaHostUnregister(host.data_ptr())
         del host
     with open(args.out, "w") as f:
