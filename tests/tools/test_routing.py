@@ -285,7 +285,7 @@ def test_hook_never_syncs_cuda():
 @pytest.mark.cuda
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_a_captured_hook_routes_each_replay_by_the_next_rows_cuda():
-    from tiers.graphs import CudaGraph
+    from tiers.graphs.graph_cache import CudaGraph
 
     model = build("qwen3_moe", "cuda")
     m, call = _first_layer_call(model, "cuda")
