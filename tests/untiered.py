@@ -73,6 +73,14 @@ def spy_paths(monkeypatch, mgr) -> Counter:
     return calls
 
 
+def spy_plans(monkeypatch, mgr) -> list:
+    """Every streamed call's plan (``Stream``) from now on, in call order."""
+    plans: list = []
+    plan = mgr.streamed.plan
+    monkeypatch.setattr(mgr.streamed, "plan", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    return plans
+
+
 def layer_calls(model, tokens: int, seed: int = 3):
     """Per experts module: random inputs of ``tokens`` tokens, each routed to k distinct experts:
     (layer, module name, module, hidden [T, H], top-k index [T, k], top-k weights [T, k])."""

@@ -20,7 +20,7 @@ from tiers.paths import whole as whole_mod
 from tiers.paths.dispatch import Path, dispatch
 from tiers.paths.streamed import KEY_END, Stream, Whole
 from tiers.paths.whole import Plan
-from untiered import assert_consistent, layer_calls, reference, spy_paths
+from untiered import assert_consistent, layer_calls, reference, spy_paths, spy_plans
 
 
 def _tiers(precision: str = "bf16", fraction: float = 0.4, **extra) -> dict:
@@ -239,9 +239,7 @@ def test_a_whole_call_uses_the_experts_cached_in_its_slots_in_place(device, chec
     ref = reference(checkpoint_factory("qwen3_moe"), device)
     layer, name, mod, x, idx, w = next(c for c in layer_calls(model, 64, seed=7) if not mgr.resident.qualifies(c[0]))
     pool = mgr.pool_of[layer]
-    plans = []
-    plan = mgr.streamed.plan
-    monkeypatch.setattr(mgr.streamed, "plan", lambda *a, **kw: plans.append(plan(*a, **kw)) or plans[-1])
+    plans = spy_plans(monkeypatch, mgr)
     with torch.no_grad():
         want = ref.get_submodule(name)(x, idx, w)
         assert torch.equal(mod(x, idx, w), want)

@@ -214,16 +214,21 @@ def test_plan_equals_the_plan_that_sorts_every_expert(args, other_layer, layer_o
             == _reference_plan(freq, g, max_moves=max_moves, margin=margin, significance=significance))
 
 
+def large_groups(sizes: tuple[int, int], most_uses: int, most_moves: int, layers: int):
+    """(n, uses, tier, busy, free places, max_moves, layer of each expert) over groups of ``sizes`` experts."""
+    return st.integers(*sizes).flatmap(lambda n: st.tuples(
+        st.just(n),
+        st.lists(st.integers(0, most_uses), min_size=n, max_size=n),
+        st.lists(st.sampled_from("hwc"), min_size=n, max_size=n),
+        st.sets(st.integers(0, n - 1), max_size=3),
+        st.integers(0, 3),
+        st.integers(1, most_moves),
+        st.lists(st.integers(0, layers - 1), min_size=n, max_size=n),
+    ))
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.integers(20, 90).flatmap(lambda n: st.tuples(
-    st.just(n),
-    st.lists(st.integers(0, 4), min_size=n, max_size=n),  # few distinct uses: many ties where the least are cut
-    st.lists(st.sampled_from("hwc"), min_size=n, max_size=n),
-    st.sets(st.integers(0, n - 1), max_size=3),
-    st.integers(0, 3),
-    st.integers(1, 4),
-    st.lists(st.integers(0, 2), min_size=n, max_size=n),
-)))
+@given(large_groups((20, 90), 4, 4, 3))  # few distinct uses: many ties where the least are cut
 def test_plan_equals_the_sorted_plan_over_large_groups(args):
     """Groups over four times ``max_moves``, where the least used are cut out by a partition
     before they are sorted, and layers with more newcomers than ``max_moves``: still the plan
@@ -238,15 +243,7 @@ def test_plan_equals_the_sorted_plan_over_large_groups(args):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(20, 60).flatmap(lambda n: st.tuples(
-    st.just(n),
-    st.lists(st.integers(0, 60), min_size=n, max_size=n),  # counts large enough for 3 standard deviations to pass at times
-    st.lists(st.sampled_from("hwc"), min_size=n, max_size=n),
-    st.sets(st.integers(0, n - 1), max_size=3),
-    st.integers(0, 3),
-    st.integers(1, 8),
-    st.lists(st.integers(0, 3), min_size=n, max_size=n),
-)))
+@given(large_groups((20, 60), 60, 8, 4))  # counts large enough for 3 standard deviations to pass at times
 def test_plan_at_the_constants_equals_the_sorted_plan(args):
     """What the rebalancer runs: plan_moves at its defaults (MARGIN, SIGNIFICANCE) is the reference plan at those."""
     n, uses, tier, busy, free, max_moves, layer_of = args
