@@ -26,7 +26,7 @@ from .. import quant
 from .blob import BLOB_ALIGN, align, blob_layout
 from .destination import StaleDir, check_apart, remove_stale, staging_dir
 from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
-from .packed import MANIFEST, manifest_json, routing_prior
+from .packed import MANIFEST, file_crc32, manifest_json, routing_prior
 from .skeleton import build_skeleton, key_renamer
 from .source import SourceCheckpoint
 
@@ -250,10 +250,12 @@ def pack(
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
+        carried = {}
         for f in source.carried_files():
             shutil.copy2(f, tmp / f.name)
+            carried[f.name] = {"crc32": file_crc32(tmp / f.name), "nbytes": (tmp / f.name).stat().st_size}
         dense_files = _write_dense(source, dense, tmp)
-        layer_docs, bytes_per_precision = _write_experts(
+        layer_docs, bytes_per_precision, expert_files = _write_experts(
             source, experts, layouts, sources, precisions, tmp, progress, torch.device(device)
         )
         pack_doc = {"precisions": precisions, "source": src_path.name, "seconds": round(time.perf_counter() - t0, 3)}
@@ -263,6 +265,8 @@ def pack(
                 precisions=precisions,
                 layers=layer_docs,
                 dense_files=dense_files,
+                carried=carried,
+                expert_files=expert_files,
                 pack=pack_doc,
                 skipped_keys=skipped,
                 routing_prior=prior,
@@ -316,7 +320,7 @@ def _write_experts(source, experts, layouts, sources, precisions, out: Path, pro
     total = sum(layouts[L].num_experts for L in layouts)
     bar = tqdm(total=total, desc="packing experts", unit="expert", disable=not progress)
     bytes_per_precision = dict.fromkeys(precisions, 0)
-    layer_docs = []
+    layer_docs, expert_files = [], {}
     for layer, (module_name, _) in experts.items():
         layout = layouts[layer]
         blobs = {p: blob_layout(layout, p) for p in precisions}
@@ -331,6 +335,8 @@ def _write_experts(source, experts, layouts, sources, precisions, out: Path, pro
             handles[p] = open(out / rel[p], "wb")
             handles[p].write(header)
             data_start[p] = len(header)
+            expert_files[rel[p]] = {"header_crc32": zlib.crc32(header), "header_bytes": len(header),
+                                    "nbytes": len(header) + layout.num_experts * blobs[p].stride}
         entries = []
         try:
             for e in range(layout.num_experts):
@@ -363,4 +369,4 @@ def _write_experts(source, experts, layouts, sources, precisions, out: Path, pro
             }
         )
     bar.close()
-    return layer_docs, bytes_per_precision
+    return layer_docs, bytes_per_precision, expert_files

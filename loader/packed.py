@@ -1,16 +1,18 @@
-"""The packed checkpoint format (version 1): manifest, dense weights, per-layer expert files.
+"""The packed checkpoint format (version 2): manifest, dense weights, per-layer expert files.
 
-Owns: reading and validating ``manifest.json`` and naming what lies where. Layout::
+Owns: the ``Manifest`` that names what lies where, reading it (through the checking parser of
+``loader.manifest_parse``) and writing it (with its checksum). Layout::
 
     packed/
       manifest.json                                # written last: its presence marks a complete pack
-      config.json, tokenizer files, ...            # carried through from the source
+      config.json, tokenizer files, ...            # carried through from the source, checksummed
       dense-00001.safetensors, ...                 # every non-expert weight, under the model's own names
       experts/{precision}/layer-{L:04d}.safetensors
 
 Each expert file is a valid safetensors file holding one uint8 tensor ``expert.{e}`` per
 expert; its data section starts on a 4 KiB boundary and every blob is 4 KiB aligned, so the
-manifest's (offset, nbytes) of a blob can be read with one pread or mmap slice.
+manifest's (offset, nbytes) of a blob can be read with one pread or mmap slice. The files
+themselves are checked against the manifest by ``loader.pack_files.verify_files``.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blob import BlobLayout, blob_layout
+from .blob import BlobLayout
 from .layout import ExpertKey, ExpertLayout
+from .manifest_parse import FORMAT, VERSION, FormatError, Parser, checksum, parse_head, parse_layers, shown
 from .routing import check_routing, load_routing, write_json
 
-FORMAT = "tiers-packed"
-VERSION = 1
 MANIFEST = "manifest.json"
+__all__ = ["FORMAT", "VERSION", "MANIFEST", "FormatError", "BlobRef", "LayerEntry", "Manifest", "read_manifest", "manifest_json",
+           "set_routing_prior", "routing_prior", "file_crc32"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,9 @@ class Manifest:
     compute_dtype: str
     precisions: tuple[str, ...]
     layers: dict[int, LayerEntry]
-    dense_files: dict[str, dict]
+    dense_files: dict[str, dict]  # name -> {crc32, nbytes}
+    carried: dict[str, dict]  # config and tokenizer files: name -> {crc32, nbytes}
+    expert_files: dict[str, dict]  # name -> {header_crc32, header_bytes, nbytes}
     pack: dict
     skipped_keys: tuple[str, ...]
     routing_prior: dict[int, list[float]] | None  # the embedded routing document's counts per layer
@@ -108,6 +113,17 @@ def _pack_hint(root: Path) -> str:
     return "pack a Hugging Face checkpoint first with `python tools/pack.py SRC DST` (DST a new directory, apart from SRC) and load DST"
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        raise _DuplicateKey(next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])))
+    return d
+
+
 def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
     """The manifest without its routing prior, and the manifest's JSON as the file holds it (the
     prior there unchecked)."""
@@ -118,45 +134,29 @@ def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
     if not mpath.is_file():
         raise ValueError(f"{str(root)!r} is not a packed checkpoint (no {MANIFEST}); {_pack_hint(root)}")
     try:
-        m = json.loads(mpath.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{mpath}: not valid JSON ({e})") from None
-    if m.get("format") != FORMAT:
-        raise ValueError(f"{mpath}: format is {m.get('format')!r}, expected {FORMAT!r}")
-    if m.get("version") != VERSION:
-        raise ValueError(f"{mpath}: format version {m.get('version')!r} is not supported (this build reads {VERSION})")
-    precisions = tuple(m["precisions"])
-    layers: dict[int, LayerEntry] = {}
-    for entry in m["layers"]:
-        layout = ExpertLayout.from_json(entry["layout"])
-        blobs = {}
-        for p in precisions:
-            bl = blob_layout(layout, p)
-            if bl.to_json() != entry["blobs"][p]:
-                raise ValueError(f"{mpath}: layer {entry['layer']} {p} blob layout differs from this build's; re-pack")
-            blobs[p] = bl
-        experts = tuple(
-            {p: BlobRef(**e[p]) for p in precisions} for e in sorted(entry["experts"], key=lambda e: e["expert"])
-        )
-        if len(experts) != layout.num_experts:
-            raise ValueError(f"{mpath}: layer {entry['layer']} lists {len(experts)} experts, layout says {layout.num_experts}")
-        layers[int(entry["layer"])] = LayerEntry(int(entry["layer"]), entry["module"], layout, blobs, experts)
-    return Manifest(
-        root=root,
-        model_type=m["model_type"],
-        compute_dtype=m["compute_dtype"],
-        precisions=precisions,
-        layers=layers,
-        dense_files=m["dense"]["files"],
-        pack=m.get("pack", {}),
-        skipped_keys=tuple(m.get("skipped_keys", [])),
-        routing_prior=None,
-    ), m
+        m = json.loads(mpath.read_bytes(), object_pairs_hook=_unique_keys)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"{mpath}: not valid JSON ({shown(str(e))})") from None
+    except _DuplicateKey as e:
+        raise FormatError(f"{mpath}: key {shown(e.args[0])} appears twice in one object") from None
+    p = Parser(root, mpath)
+    head = parse_head(p, m)
+    layers = {L: LayerEntry(L, module, layout, blobs, tuple({k: BlobRef(**v) for k, v in e.items()} for e in refs))
+              for L, module, layout, blobs, refs in parse_layers(p, m, head)}
+    skipped = m.get("skipped_keys", [])
+    if not isinstance(skipped, list) or not all(isinstance(k, str) for k in skipped):
+        raise p.fail("skipped_keys", f"expected a list of strings, got {shown(skipped)}")
+    pack = m.get("pack", {})
+    if not isinstance(pack, dict):
+        raise p.fail("pack", f"expected an object, got {shown(pack)}")
+    return Manifest(root=root, model_type=m["model_type"], compute_dtype=m["compute_dtype"], precisions=head["precisions"],
+                    layers=dict(sorted(layers.items())), dense_files=head["dense"], carried=head["carried"],
+                    expert_files=head["expert_files"], pack=pack, skipped_keys=tuple(skipped), routing_prior=None), m
 
 
 def manifest_json(
-    *, model_type: str, precisions: list[str], layers: list[dict], dense_files: dict, pack: dict, skipped_keys: list[str],
-    routing_prior: Mapping | None = None,
+    *, model_type: str, precisions: list[str], layers: list[dict], dense_files: dict, carried: dict, expert_files: dict, pack: dict,
+    skipped_keys: list[str], routing_prior: Mapping | None = None,
 ) -> str:
     doc = {
         "format": FORMAT,
@@ -165,11 +165,14 @@ def manifest_json(
         "compute_dtype": "bfloat16",
         "precisions": precisions,
         "dense": {"files": dense_files},
+        "carried": carried,
+        "expert_files": expert_files,
         "layers": layers,
         "pack": pack,
         "skipped_keys": skipped_keys,
         "routing_prior": None if routing_prior is None else dict(routing_prior),
     }
+    doc["checksum"] = checksum(doc)
     return json.dumps(doc, indent=1)
 
 
@@ -191,5 +194,6 @@ def set_routing_prior(path: str | Path, routing: str | Path | Mapping | None) ->
     need not be valid."""
     manifest, m = _read_manifest(path)
     m["routing_prior"] = None if routing is None else routing_prior(routing, manifest.experts_per_layer, str(manifest.root))
+    m["checksum"] = checksum(m)
     write_json(m, manifest.root / MANIFEST, indent=1)
     return read_manifest(path)

@@ -19,7 +19,8 @@ from tiers.api import load, manifest, routing_counts, save_routing, stats  # noq
 from tiers.config import TiersConfig, load_config  # noqa: E402
 from tiers.graphs.step_graphs import graph_safe  # noqa: E402
 from tiers.stats import TierStats  # noqa: E402
-from tiers.store.disk_store import IntegrityError  # noqa: E402
+from tiers.loader.manifest_parse import FormatError  # noqa: E402
+from tiers.loader.pack_files import IntegrityError  # noqa: E402
 
-__all__ = ["IntegrityError", "TierStats", "TiersConfig", "graph_safe", "load", "load_config", "manifest", "routing_counts",
+__all__ = ["FormatError", "IntegrityError", "TierStats", "TiersConfig", "graph_safe", "load", "load_config", "manifest", "routing_counts",
            "save_routing", "stats"]

@@ -7,24 +7,29 @@ Every check that can fail for a user's input runs here, before the first forward
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import safetensors
+import safetensors.torch
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, GenerationConfig, PreTrainedModel
+import transformers
+from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from tiers import hf, report
 from tiers.config import TiersConfig, load_config
 from tiers.graphs import step_graphs
 from tiers.loader.layout import discover_layout, find_experts_modules, unservable
-from tiers.loader.packed import Manifest, file_crc32, read_manifest
+from tiers.loader.manifest_parse import FormatError, shown
+from tiers.loader.pack_files import read_owned, verify_files
+from tiers.loader.packed import Manifest, read_manifest
 from tiers.loader.routing import read_routing, routing_document, write_routing
 from tiers.loader.skeleton import build_skeleton
 from tiers.manager import Manager
 from tiers.policy.placement import plan_placement
 from tiers.stats import TierStats
-from tiers.store.disk_store import IntegrityError
 from tiers.transfer.streams import Streams
 
 _MANAGER_ATTR = "_tiers_manager"
@@ -53,21 +58,23 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 def _load_dense(model: torch.nn.Module, manifest: Manifest, expert_params: set[str], device: torch.device) -> None:
     expected = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in expert_params}
     loaded: dict[str, torch.Tensor] = {}
+    owner: dict[str, str] = {}
     for fname, info in manifest.dense_files.items():
         path = manifest.root / fname
-        if not path.is_file():
-            raise IntegrityError(f"dense weights file {str(path)!r} is missing")
-        if path.stat().st_size != info["nbytes"] or file_crc32(path) != info["crc32"]:
-            raise IntegrityError(f"dense weights file {str(path)!r} is corrupt or truncated (size or crc32 differs from the manifest); re-pack")
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for key in f.keys():
-                if key not in expected:
-                    raise ValueError(f"{str(path)!r}: tensor {key!r} is not a weight of this model")
-                t = f.get_tensor(key)
-                ref = expected[key]
-                if tuple(t.shape) != tuple(ref.shape):
-                    raise ValueError(f"{str(path)!r}: {key!r} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
-                loaded[key] = t.to(ref.dtype)
+        try:  # the bytes checked are the bytes used: the file is read once, whole, then parsed
+            tensors = safetensors.torch.load(read_owned(manifest.root, fname, info, "dense weights file"))
+        except safetensors.SafetensorError as e:
+            raise FormatError(f"{path}: not a safetensors file ({shown(str(e))})") from None
+        for key, t in tensors.items():
+            if key not in expected:
+                raise FormatError(f"{path}: tensor {shown(key)} is not a weight of this model")
+            if key in owner:
+                raise FormatError(f"{path}: tensor {shown(key)} is also in {owner[key]!r}")
+            owner[key] = fname
+            ref = expected[key]
+            if tuple(t.shape) != tuple(ref.shape):
+                raise FormatError(f"{path}: {key!r} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
+            loaded[key] = t.to(device=device, dtype=ref.dtype)
     model.load_state_dict(loaded, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
@@ -78,6 +85,37 @@ def _load_dense(model: torch.nn.Module, manifest: Manifest, expert_params: set[s
         for name, buf in module._buffers.items():
             if buf is not None and buf.device != device:
                 module._buffers[name] = buf.to(device)
+
+
+def _carried_json(manifest: Manifest, carried: dict[str, bytes], name: str) -> dict | None:
+    """A carried JSON file's content from its checked bytes, or None if the pack carries no such file."""
+    if name not in carried:
+        return None
+    path = manifest.root / name
+    try:
+        doc = json.loads(carried[name])
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise FormatError(f"{path}: not valid JSON ({shown(str(e))})") from None
+    if not isinstance(doc, dict):
+        raise FormatError(f"{path}: expected a JSON object, got {shown(doc)}")
+    return doc
+
+
+def _model_config(manifest: Manifest, carried: dict[str, bytes]) -> PretrainedConfig:
+    """The model's config, built from the carried config.json's checked bytes (never re-read from disk)."""
+    doc = _carried_json(manifest, carried, "config.json")
+    if doc is None:
+        raise FormatError(f"packed checkpoint {str(manifest.root)!r} carries no config.json; re-pack it from a save_pretrained directory")
+    if doc.get("model_type") != manifest.model_type:
+        raise FormatError(f"{manifest.root / 'config.json'}: model_type {shown(doc.get('model_type'))}, "
+                          f"the manifest says {manifest.model_type!r}")
+    if manifest.model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{str(manifest.root)!r}: model family {manifest.model_type!r} is not known to transformers "
+                         f"{transformers.__version__}")
+    try:
+        return CONFIG_MAPPING[manifest.model_type].from_dict(doc)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({shown(str(e))})") from None
 
 
 def _experts(model: PreTrainedModel, manifest: Manifest) -> dict[int, tuple[str, torch.nn.Module]]:
@@ -110,9 +148,8 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     manifest = read_manifest(path)
     dev = _resolve_device(device)
     placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
-    if not (manifest.root / "config.json").is_file():
-        raise ValueError(f"packed checkpoint {str(manifest.root)!r} has no config.json; re-pack it from a save_pretrained directory")
-    model = build_skeleton(AutoConfig.from_pretrained(manifest.root), dtype=torch.bfloat16)
+    carried = verify_files(manifest)
+    model = build_skeleton(_model_config(manifest, carried), dtype=torch.bfloat16)
     modules = _experts(model, manifest)
     expert_params = {f"{name}.{t.name}" for layer, (name, _) in modules.items() for t in manifest.layers[layer].layout.tensors}
     _load_dense(model, manifest, expert_params, dev)
@@ -124,8 +161,9 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     if cfg.gpu.graphs and dev.type == "cuda":
         step_graphs.install(model, manager)
     hf.follow_decode_switch(model, manager)
-    if (manifest.root / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(manifest.root)
+    generation = _carried_json(manifest, carried, "generation_config.json")
+    if generation is not None:
+        model.generation_config = GenerationConfig.from_dict(generation)
     setattr(model, _MANAGER_ATTR, manager)
     if progress:
         print("\n".join(f"tiers: {line}" for line in report.summary(manager)), file=sys.stderr)

@@ -12,6 +12,7 @@ import pytest
 
 import tiers.loader.routing
 from tiers.loader.pack import pack
+from tiers.loader.manifest_parse import checksum
 from tiers.loader.packed import MANIFEST, read_manifest, set_routing_prior
 from tiers.loader.routing import routing_document
 
@@ -73,7 +74,8 @@ def test_set_routing_prior_changes_the_manifest_prior_alone(packed_copy, tmp_pat
     assert got.routing_prior[L][2] == 50.0 and got.routing_prior == read_manifest(packed_copy).routing_prior
     after = json.loads((packed_copy / MANIFEST).read_text())
     assert after.pop("routing_prior") == doc
-    assert after == {k: v for k, v in before.items() if k != "routing_prior"}
+    assert after.pop("checksum") == checksum({**after, "routing_prior": doc}) != before["checksum"]  # re-sealed
+    assert after == {k: v for k, v in before.items() if k not in ("routing_prior", "checksum")}
     changed = {k for k, crc in _files(packed_copy).items() if before_files.get(k) != crc}
     assert changed == {MANIFEST} and set(_files(packed_copy)) == set(before_files)  # no other file, no temporary
     assert set_routing_prior(packed_copy, None).routing_prior is None
@@ -116,6 +118,12 @@ def test_a_failed_manifest_write_leaves_the_old_manifest_whole(packed_copy, monk
     assert sorted(p.name for p in packed_copy.iterdir()) == names
 
 
+def _write_sealed(root, m):
+    """Write manifest ``m`` with a checksum that matches it."""
+    m["checksum"] = checksum({k: v for k, v in m.items() if k != "checksum"})
+    (root / MANIFEST).write_text(json.dumps(m))
+
+
 def test_a_bad_embedded_prior_is_refused_at_read_naming_the_manifest_and_can_be_replaced(packed_copy):
     m = json.loads((packed_copy / MANIFEST).read_text())
     manifest = read_manifest(packed_copy)
@@ -123,13 +131,13 @@ def test_a_bad_embedded_prior_is_refused_at_read_naming_the_manifest_and_can_be_
     L = sorted(manifest.layers)[2]
     doc["counts"][str(L)][4] = "many"
     m["routing_prior"] = doc
-    (packed_copy / MANIFEST).write_text(json.dumps(m))
+    _write_sealed(packed_copy, m)  # a prior sealed into the manifest, as an older pack might have written it
     with pytest.raises(ValueError, match=rf"manifest\.json: routing_prior: layer {L}, expert 4: expected a count >= 0, got 'many'") as e:
         read_manifest(packed_copy)
     assert "--clear-routing" in str(e.value) and "--set-routing" in str(e.value)  # how to mend it
     # a bad prior can be replaced or removed: the rest of the manifest reads without it
     assert set_routing_prior(packed_copy, routing_document(_counts(manifest), tokens=2)).routing_prior is not None
     m["routing_prior"] = {"format": "something-else"}
-    (packed_copy / MANIFEST).write_text(json.dumps(m))
+    _write_sealed(packed_copy, m)
     assert set_routing_prior(packed_copy, None).routing_prior is None
     assert read_manifest(packed_copy).routing_prior is None

@@ -21,11 +21,8 @@ import torch
 
 from tiers.loader.blob import BLOB_ALIGN
 from tiers.loader.layout import ExpertKey
+from tiers.loader.pack_files import IntegrityError
 from tiers.loader.packed import BlobRef, Manifest
-
-
-class IntegrityError(RuntimeError):
-    pass
 
 
 def drop_page_cache(paths: Iterable[str | Path]) -> bool:

@@ -1,0 +1,109 @@
+"""The pack directory's files checked against a parsed manifest: sizes, checksums, expert-file headers, blob placement.
+
+``read_manifest`` (``loader.packed``) checks the manifest document alone; ``verify_files`` then
+checks what the manifest says about the files before anything is built from them: every carried
+and dense file has its recorded size, every expert file its size and the exact header bytes pack
+wrote, each header's ``expert.{e}`` entry lies where the manifest's reference says, and no two
+blobs of one file overlap. ``read_owned`` reads a whole file once into memory and checks its
+checksum on those very bytes, so what is built from them is what was checked, whatever happens
+to the file afterwards. Problems in the manifest's own claims are ``FormatError``; files whose
+bytes differ from what the manifest recorded are ``IntegrityError``. Both name the file.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+from .manifest_parse import FormatError, shown
+from .packed import Manifest
+
+
+class IntegrityError(RuntimeError):
+    """A packed file's bytes differ from what the manifest recorded (changed, truncated or corrupt)."""
+
+
+def read_owned(root: Path, name: str, info: dict, what: str) -> bytes:
+    """File ``name``'s bytes, read once and checked against ``info``'s size and CRC32."""
+    path = root / name
+    try:
+        with open(path, "rb") as f:
+            data = f.read(info["nbytes"] + 1)
+    except FileNotFoundError:
+        raise IntegrityError(f"{what} {str(path)!r} is missing; re-pack") from None
+    except OSError as e:
+        raise IntegrityError(f"{what} {str(path)!r} cannot be read ({e.strerror or e})") from None
+    if len(data) != info["nbytes"] or zlib.crc32(data) != info["crc32"]:
+        raise IntegrityError(f"{what} {str(path)!r} differs from the manifest's record "
+                             f"({len(data) if len(data) <= info['nbytes'] else 'more than ' + str(info['nbytes'])} bytes, "
+                             f"recorded {info['nbytes']}; or its crc32 differs): changed or truncated after packing; re-pack")
+    return data
+
+
+def _size(path: Path, nbytes: int, what: str) -> None:
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise IntegrityError(f"{what} {str(path)!r} is missing; re-pack") from None
+    if size != nbytes:
+        raise IntegrityError(f"{what} {str(path)!r} has {size} bytes, the manifest recorded {nbytes}: truncated or changed; re-pack")
+
+
+def _expert_header(path: Path, info: dict) -> dict:
+    """An expert file's safetensors header, after checking its bytes against the manifest's CRC."""
+    with open(path, "rb") as f:
+        head = f.read(info["header_bytes"])
+    if len(head) != info["header_bytes"] or zlib.crc32(head) != info["header_crc32"]:
+        raise IntegrityError(f"expert file {str(path)!r}: its header differs from the manifest's record; re-pack")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n != len(head) - 8:
+        raise FormatError(f"{path}: header length {n} disagrees with the manifest's header_bytes {info['header_bytes']}")
+    try:
+        header = json.loads(head[8:])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: safetensors header is not JSON ({shown(str(e))})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: safetensors header is not an object")
+    return header
+
+
+def _placed(path: Path, header: dict, header_bytes: int, refs: list[tuple[int, int, int]]) -> None:
+    """Each (expert, offset, nbytes) lies inside its header entry, and no two blobs overlap."""
+    for e, offset, nbytes in refs:
+        entry = header.get(f"expert.{e}")
+        begin, end = (entry or {}).get("data_offsets", (None, None)) if isinstance(entry, dict) else (None, None)
+        if not (isinstance(begin, int) and isinstance(end, int)) or offset != header_bytes + begin or nbytes > end - begin:
+            raise FormatError(f"{path}: expert {e}: the manifest's offset {offset} (+{nbytes} bytes) is not the header's "
+                              f"'expert.{e}' entry {shown(entry)}")
+    spans = sorted((offset, offset + nbytes, e) for e, offset, nbytes in refs)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise FormatError(f"{path}: experts {a} and {b} overlap (bytes {start}..{end})")
+
+
+def verify_files(manifest: Manifest) -> dict[str, bytes]:
+    """Check the pack directory's files against ``manifest`` (see the module docstring); return
+    each carried file's checked bytes (config.json, tokenizer files, ...) by name."""
+    root = manifest.root
+    carried = {name: read_owned(root, name, info, "carried file") for name, info in manifest.carried.items()}
+    for name, info in manifest.dense_files.items():
+        _size(root / name, info["nbytes"], "dense weights file")
+    per_file: dict[str, list[tuple[int, int, int]]] = {name: [] for name in manifest.expert_files}
+    owner: dict[str, dict] = {}
+    for L, entry in manifest.layers.items():
+        for e, refs in enumerate(entry.experts):
+            for precision, ref in refs.items():
+                per_file[ref.file].append((e, ref.offset, ref.nbytes))
+                owner.setdefault(ref.file, {"format": "tiers-blob", "precision": precision, "layer": str(L)})
+    for name, info in manifest.expert_files.items():
+        path = root / name
+        _size(path, info["nbytes"], "expert file")
+        refs = per_file[name]
+        header = _expert_header(path, info)
+        if header.get("__metadata__") != owner.get(name):
+            raise FormatError(f"{path}: the file is {shown(header.get('__metadata__'))}, but the manifest uses it as {shown(owner.get(name))}")
+        _placed(path, header, info["header_bytes"], refs)
+        if any(offset + nbytes > info["nbytes"] for _, offset, nbytes in refs):
+            raise FormatError(f"{path}: a blob runs past the file's {info['nbytes']} bytes")
+    return carried
