@@ -141,7 +141,7 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
     module = p.get(entry, "module", str, field)
     try:
         layout = ExpertLayout.from_json(p.get(entry, "layout", dict, field))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: a size of infinity
         raise p.fail(f"{field}.layout", f"not an expert layout ({shown(e)})") from None
     if layout.num_experts < 1 or not layout.tensors:
         raise p.fail(f"{field}.layout", f"no experts or no tensors: {shown(entry['layout'])}")

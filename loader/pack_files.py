@@ -6,15 +6,20 @@ and dense file has its recorded size, every expert file its size and the exact h
 wrote, each header's ``expert.{e}`` entry lies where the manifest's reference says, and no two
 blobs of one file overlap. ``read_owned`` reads a whole file once into memory and checks its
 checksum on those very bytes, so what is built from them is what was checked, whatever happens
-to the file afterwards. Problems in the manifest's own claims are ``FormatError``; files whose
-bytes differ from what the manifest recorded are ``IntegrityError``. Both name the file.
+to the file afterwards. Only regular files are read: a FIFO, device or folder where a file should
+be is refused before a read could block or never end. Problems in the manifest's own claims are
+``FormatError``; files whose bytes differ from what the manifest recorded are ``IntegrityError``.
+Both name the file.
 """
 from __future__ import annotations
 
 import json
+import os
+import stat
 import struct
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 from .manifest_parse import FormatError, shown
 from .packed import Manifest
@@ -24,16 +29,29 @@ class IntegrityError(RuntimeError):
     """A packed file's bytes differ from what the manifest recorded (changed, truncated or corrupt)."""
 
 
-def read_owned(root: Path, name: str, info: dict, what: str) -> bytes:
-    """File ``name``'s bytes, read once and checked against ``info``'s size and CRC32."""
-    path = root / name
+def open_regular(path: Path, what: str) -> BinaryIO:
+    """``path`` open for reading, refused unless it is a regular file (a FIFO there would block the
+    open until a writer came, a device would never end). ``what`` names the file in errors."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(info["nbytes"] + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once instead of waiting; no effect on a file
     except FileNotFoundError:
         raise IntegrityError(f"{what} {str(path)!r} is missing; re-pack") from None
     except OSError as e:
         raise IntegrityError(f"{what} {str(path)!r} cannot be read ({e.strerror or e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{what} {str(path)!r} is not a regular file (a folder, FIFO or device); re-pack")
+    return os.fdopen(fd, "rb")
+
+
+def read_owned(root: Path, name: str, info: dict, what: str) -> bytes:
+    """File ``name``'s bytes, read once and checked against ``info``'s size and CRC32."""
+    path = root / name
+    with open_regular(path, what) as f:
+        try:
+            data = f.read(info["nbytes"] + 1)
+        except OSError as e:
+            raise IntegrityError(f"{what} {str(path)!r} cannot be read ({e.strerror or e})") from None
     if len(data) != info["nbytes"] or zlib.crc32(data) != info["crc32"]:
         raise IntegrityError(f"{what} {str(path)!r} differs from the manifest's record "
                              f"({len(data) if len(data) <= info['nbytes'] else 'more than ' + str(info['nbytes'])} bytes, "
@@ -46,13 +64,15 @@ def _size(path: Path, nbytes: int, what: str) -> None:
         size = path.stat().st_size
     except FileNotFoundError:
         raise IntegrityError(f"{what} {str(path)!r} is missing; re-pack") from None
+    except OSError as e:  # a folder on its path that is a file, a symlink loop
+        raise IntegrityError(f"{what} {str(path)!r} cannot be read ({e.strerror or e}); re-pack") from None
     if size != nbytes:
         raise IntegrityError(f"{what} {str(path)!r} has {size} bytes, the manifest recorded {nbytes}: truncated or changed; re-pack")
 
 
 def _expert_header(path: Path, info: dict) -> dict:
     """An expert file's safetensors header, after checking its bytes against the manifest's CRC."""
-    with open(path, "rb") as f:
+    with open_regular(path, "expert file") as f:
         head = f.read(info["header_bytes"])
     if len(head) != info["header_bytes"] or zlib.crc32(head) != info["header_crc32"]:
         raise IntegrityError(f"expert file {str(path)!r}: its header differs from the manifest's record; re-pack")
@@ -72,7 +92,8 @@ def _placed(path: Path, header: dict, header_bytes: int, refs: list[tuple[int, i
     """Each (expert, offset, nbytes) lies inside its header entry, and no two blobs overlap."""
     for e, offset, nbytes in refs:
         entry = header.get(f"expert.{e}")
-        begin, end = (entry or {}).get("data_offsets", (None, None)) if isinstance(entry, dict) else (None, None)
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
         if not (isinstance(begin, int) and isinstance(end, int)) or offset != header_bytes + begin or nbytes > end - begin:
             raise FormatError(f"{path}: expert {e}: the manifest's offset {offset} (+{nbytes} bytes) is not the header's "
                               f"'expert.{e}' entry {shown(entry)}")

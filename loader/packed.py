@@ -133,6 +133,10 @@ def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
     mpath = root / MANIFEST
     if not mpath.is_file():
         raise ValueError(f"{str(root)!r} is not a packed checkpoint (no {MANIFEST}); {_pack_hint(root)}")
+    try:  # like every file the manifest names, the manifest itself is read only from inside the directory
+        mpath.resolve().relative_to(root.resolve())
+    except (ValueError, OSError, RuntimeError):
+        raise FormatError(f"{mpath}: resolves outside the pack directory (a symlink out of it); re-pack") from None
     try:
         m = json.loads(mpath.read_bytes(), object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

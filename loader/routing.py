@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .manifest_parse import shown
+
 ROUTING_FORMAT = "tiers-routing"
 ROUTING_VERSION = 1
 
@@ -76,6 +78,13 @@ def read_routing(source: str | Path | Mapping, manifest) -> dict[int, list[float
     return check_routing(doc, manifest.experts_per_layer, name, str(manifest.root))
 
 
+def _count(c: object) -> bool:
+    """A lookup count: a finite number >= 0 (an integer below 2**63, which converts to a float)."""
+    if isinstance(c, bool) or not isinstance(c, (int, float)):
+        return False
+    return 0 <= c < 2**63 if isinstance(c, int) else math.isfinite(c) and c >= 0
+
+
 def check_routing(doc: object, experts: Mapping[int, int], name: str, checkpoint: str) -> dict[int, list[float]]:
     """A routing document's counts per layer, checked against a checkpoint whose MoE layers have
     ``experts[layer]`` experts: every layer it names must be one of them, with one non-negative
@@ -102,8 +111,8 @@ def check_routing(doc: object, experts: Mapping[int, int], name: str, checkpoint
             got = len(row) if isinstance(row, Sequence) and not isinstance(row, str) else type(row).__name__
             raise ValueError(f"{name}: layer {layer} has {n} experts in the checkpoint, the file counts {got}")
         for e, c in enumerate(row):
-            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
-                raise ValueError(f"{name}: layer {layer}, expert {e}: expected a count >= 0, got {c!r}")
+            if not _count(c):
+                raise ValueError(f"{name}: layer {layer}, expert {e}: expected a count >= 0, got {shown(c)}")
         out[layer] = [float(c) for c in row]
     if not any(c > 0 for row in out.values() for c in row):
         raise ValueError(f"{name}: counts no lookups; it cannot rank the experts")

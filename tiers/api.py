@@ -24,7 +24,7 @@ from tiers.graphs import step_graphs
 from tiers.loader.layout import discover_layout, find_experts_modules, unservable
 from tiers.loader.manifest_parse import FormatError, shown
 from tiers.loader.pack_files import read_owned, verify_files
-from tiers.loader.packed import Manifest, read_manifest
+from tiers.loader.packed import MANIFEST, Manifest, read_manifest
 from tiers.loader.routing import read_routing, routing_document, write_routing
 from tiers.loader.skeleton import build_skeleton
 from tiers.manager import Manager
@@ -114,22 +114,46 @@ def _model_config(manifest: Manifest, carried: dict[str, bytes]) -> PretrainedCo
                          f"{transformers.__version__}")
     try:
         return CONFIG_MAPPING[manifest.model_type].from_dict(doc)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({shown(str(e))})") from None
+    except Exception as e:  # noqa: BLE001 (transformers' checks raise many types: huggingface_hub's validation errors, TypeError, ...)
+        raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({type(e).__name__}: {shown(str(e))})") from None
+
+
+def _generation_config(manifest: Manifest, carried: dict[str, bytes]) -> GenerationConfig | None:
+    """The carried generation_config.json's settings (None without one); values transformers refuses are refused naming the file."""
+    doc = _carried_json(manifest, carried, "generation_config.json")
+    if doc is None:
+        return None
+    try:
+        return GenerationConfig.from_dict(doc)
+    except Exception as e:  # noqa: BLE001 (its checks raise ValueError, TypeError, AttributeError, ...)
+        raise FormatError(f"{manifest.root / 'generation_config.json'}: not a generation config "
+                          f"({type(e).__name__}: {shown(str(e))})") from None
+
+
+def _skeleton(manifest: Manifest, config: PretrainedConfig) -> PreTrainedModel:
+    """The model built on meta from ``config``; a config whose values no model can be built from
+    (a negative size, zero heads) is refused naming config.json."""
+    try:
+        return build_skeleton(config, dtype=torch.bfloat16)
+    except Exception as e:  # noqa: BLE001 (the model's constructor fails in its own ways on such values)
+        raise FormatError(f"{manifest.root / 'config.json'}: no {manifest.model_type} model can be built from it "
+                          f"({type(e).__name__}: {shown(str(e))})") from None
 
 
 def _experts(model: PreTrainedModel, manifest: Manifest) -> dict[int, tuple[str, torch.nn.Module]]:
     """The model's experts modules, checked against the manifest and against what Tiers can serve."""
     modules = find_experts_modules(model)
+    config, where = manifest.root / "config.json", manifest.root / MANIFEST  # the two files that must agree
     if sorted(modules) != sorted(manifest.layers):
-        raise ValueError(f"{str(manifest.root)!r}: manifest MoE layers {sorted(manifest.layers)} differ from the model's {sorted(modules)}")
+        raise FormatError(f"{config}: the model it builds has MoE layers {sorted(modules)}, {where} packed {sorted(manifest.layers)}; re-pack")
     for layer, (name, mod) in modules.items():
         why = unservable(mod)
         if why is not None:
             raise ValueError(f"{str(manifest.root)!r}: {model.config.model_type} ({type(mod).__name__}): {why}")
         entry = manifest.layers[layer]
         if discover_layout(mod) != entry.layout or name != entry.module:
-            raise ValueError(f"{str(manifest.root)!r}: layer {layer} ({name}) does not match the packed layout; re-pack")
+            raise FormatError(f"{config}: layer {layer}'s experts ({name}) do not match the layout {where} packed "
+                              f"for it ({entry.module}); re-pack")
     return modules
 
 
@@ -149,10 +173,11 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     dev = _resolve_device(device)
     placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
     carried = verify_files(manifest)
-    model = build_skeleton(_model_config(manifest, carried), dtype=torch.bfloat16)
+    model = _skeleton(manifest, _model_config(manifest, carried))
     modules = _experts(model, manifest)
     expert_params = {f"{name}.{t.name}" for layer, (name, _) in modules.items() for t in manifest.layers[layer].layout.tensors}
     _load_dense(model, manifest, expert_params, dev)
+    generation = _generation_config(manifest, carried)  # before the manager: a refusal leaves no reader threads or open files
     manager = Manager(manifest, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
     for layer, (_, mod) in modules.items():
         mod._tiers_binding = hf.Binding(layer, manager)
@@ -161,9 +186,8 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     if cfg.gpu.graphs and dev.type == "cuda":
         step_graphs.install(model, manager)
     hf.follow_decode_switch(model, manager)
-    generation = _carried_json(manifest, carried, "generation_config.json")
     if generation is not None:
-        model.generation_config = GenerationConfig.from_dict(generation)
+        model.generation_config = generation
     setattr(model, _MANAGER_ATTR, manager)
     if progress:
         print("\n".join(f"tiers: {line}" for line in report.summary(manager)), file=sys.stderr)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,75 @@ def test_after_load_no_weight_depends_on_the_files(packed_copy):
         path.write_bytes(bytes(data))
         os.truncate(path, len(data) // 3)  # ...then the file cut to a third
     assert torch.equal(_logits(model), before)
+
+
+# -- found by the fuzz suite (tests/tiers/test_fuzz.py) ------------------------------------------------
+def _carry(root: Path, name: str, change) -> None:
+    """Change carried JSON file ``name`` with ``change(doc)`` and re-seal the manifest's record of it (an edit that keeps every checksum right)."""
+    doc = json.loads((root / name).read_text())
+    change(doc)
+    data = json.dumps(doc).encode()
+    (root / name).write_bytes(data)
+    _edit(root, lambda m: m["carried"].update({name: {"crc32": zlib.crc32(data), "nbytes": len(data)}}))
+
+
+def test_a_manifest_that_is_a_symlink_out_of_the_pack_is_refused(packed_copy, tmp_path):
+    """The manifest is confined like every file it names (it used to be read through the symlink)."""
+    outside = tmp_path / "outside.json"
+    shutil.move(packed_copy / MANIFEST, outside)
+    os.symlink(outside, packed_copy / MANIFEST)
+    with pytest.raises(FormatError, match=r"manifest\.json: resolves outside the pack directory"):
+        read_manifest(packed_copy)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json"])
+def test_a_fifo_in_place_of_a_carried_file_is_refused_not_waited_on(packed_copy, name):
+    """A FIFO is never opened to wait for a writer (a load used to hang there, before any check)."""
+    (packed_copy / name).unlink(missing_ok=True)
+    os.mkfifo(packed_copy / name)
+    _edit(packed_copy, lambda doc: doc["carried"].setdefault(name, {"crc32": 0, "nbytes": 2}))
+    with pytest.raises(IntegrityError, match=rf"carried file '.*{re.escape(name)}' is not a regular file"):
+        _load(packed_copy)
+
+
+def test_a_file_where_the_experts_folder_was_is_refused(packed_copy):
+    shutil.rmtree(packed_copy / "experts")
+    (packed_copy / "experts").write_bytes(b"")
+    with pytest.raises(IntegrityError, match=r"expert file '.*experts/.*\.safetensors' cannot be read \(Not a directory\)"):
+        _load(packed_copy)
+
+
+@pytest.mark.parametrize("offsets", [[4096], [0, 1, 2], "0-100", None])
+def test_a_header_entry_with_malformed_data_offsets_is_refused(offsets):
+    with pytest.raises(FormatError, match=r"expert 0: the manifest's offset 8 .* is not the header's 'expert\.0' entry"):
+        _placed(Path("f"), {"expert.0": {"data_offsets": offsets}}, 8, [(0, 8, 100)])
+
+
+def test_a_layout_of_infinite_size_is_refused(packed_copy):
+    _edit(packed_copy, lambda doc: doc["layers"][1]["layout"]["tensors"][0]["shape"].__setitem__(1, float("inf")))
+    with pytest.raises(FormatError, match=r"manifest\.json: layers\[1\]\.layout: not an expert layout"):
+        read_manifest(packed_copy)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: c.update(pad_token_id="x"), r"config\.json: not a qwen3_moe config \(StrictDataclassFieldValidationError: .*pad_token_id"),
+    (lambda c: c.update(hidden_size=-1), r"config\.json: no qwen3_moe model can be built from it \(RuntimeError: .*negative dimension"),
+    (lambda c: c.update(num_local_experts=16), r"config\.json: layer 0's experts \(model\.layers\.0\.mlp\.experts\) do not match the layout "
+                                         r".*manifest\.json packed for it"),
+    (lambda c: c.update(num_hidden_layers=2), r"config\.json: the model it builds has MoE layers \[0, 1\], .*manifest\.json packed \[0, 1, 2\]"),
+])
+def test_a_resealed_config_no_model_matches_is_refused_naming_it(packed_copy, change, match):
+    """config.json edited and its record re-sealed: whatever transformers or the model raise on its
+    values, or its experts differing from the packed ones, is a FormatError naming the file."""
+    _carry(packed_copy, "config.json", change)
+    with pytest.raises(FormatError, match=match):
+        _load(packed_copy)
+
+
+@pytest.mark.parametrize("key, value", [("watermarking_config", 3), ("pad_token_id", "x"), ("max_new_tokens", -1)])
+def test_a_resealed_generation_config_transformers_refuses_is_refused_naming_it(packed_copy, key, value):
+    """Whatever GenerationConfig raises on the carried file's values (AttributeError, TypeError,
+    ValueError) is a FormatError naming generation_config.json."""
+    _carry(packed_copy, "generation_config.json", lambda doc: doc.update({key: value}))
+    with pytest.raises(FormatError, match=r"generation_config\.json: not a generation config \(\w+: "):
+        _load(packed_copy)

@@ -96,6 +96,7 @@ def _doc(manifest, **override):
     ("negative", "expert 2: expected a count >= 0, got -1"),
     ("nan", "expert 2: expected a count >= 0, got nan"),
     ("bool", "expert 2: expected a count >= 0, got True"),
+    ("huge", "expert 2: expected a count >= 0, got 1000"),  # an int no float holds: was an OverflowError
     ("zeros", "counts no lookups"),
 ])
 def test_bad_routing_files_are_refused_naming_the_file_and_key(packed_factory, tmp_path, case, match):
@@ -119,8 +120,8 @@ def test_bad_routing_files_are_refused_naming_the_file_and_key(packed_factory, t
             doc["counts"]["99"] = row
         elif case == "short_row":
             doc["counts"][str(L)] = row[:-1]
-        elif case in ("negative", "nan", "bool"):
-            row[2] = {"negative": -1, "nan": math.nan, "bool": True}[case]
+        elif case in ("negative", "nan", "bool", "huge"):
+            row[2] = {"negative": -1, "nan": math.nan, "bool": True, "huge": 10**400}[case]
             doc["counts"][str(L)] = row
         elif case == "zeros":
             doc["counts"] = {k: [0] * len(v) for k, v in doc["counts"].items()}

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tiers.loader.layout import ExpertKey
+from tiers.loader.pack_files import read_owned
 from tiers.loader.packed import Manifest
 from tiers.config import TiersConfig
 
@@ -122,13 +123,18 @@ def transit_rows(staging: int, lossy_nbytes: int) -> int:
 
 
 def top_k(manifest: Manifest) -> int:
-    """Experts routed per token, from the packed ``config.json`` (1 when it does not say)."""
-    path = manifest.root / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """Experts routed per token, from the packed ``config.json`` (1 when it does not say), read as
+    every carried file is: a regular file inside the pack, its bytes checked against the manifest
+    (``IntegrityError`` naming it otherwise)."""
+    if "config.json" not in manifest.carried:
         return 1
-    for d in (cfg, cfg.get("text_config") or {}):
+    try:
+        cfg = json.loads(read_owned(manifest.root, "config.json", manifest.carried["config.json"], "carried file"))
+    except (ValueError, RecursionError):  # not JSON: tiers.load refuses it, naming the file, when it builds the model
+        return 1
+    for d in (cfg, cfg.get("text_config") if isinstance(cfg, dict) else None):
+        if not isinstance(d, dict):
+            continue
         k = d.get("num_experts_per_tok")
         if isinstance(k, int) and not isinstance(k, bool) and k > 0:
             return k
@@ -218,6 +224,8 @@ def _plan_cpu(cfg: TiersConfig, manifest: Manifest, order: list[ExpertKey], rest
     if rest and (csize.budget or csize.fraction):
         _check_precision(manifest, "tiers.cpu.precision", cfg.cpu.precision)
     cpu_budget = csize.budget if csize.budget is not None else int(csize.fraction * sum(stride[k.layer] for k in order))
+    if not cpu_budget:  # no cpu tier (its precision unchecked, so possibly not packed: a stride of 0 would "fit" every expert)
+        return [], 0
     if csize.budget is not None and rest and cpu_budget < min(stride[k.layer] for k in rest):
         raise ValueError(
             f"{cpu_key}: {cpu_budget} bytes is smaller than one expert ({min(stride[k.layer] for k in rest)} bytes at {cfg.cpu.precision})"

@@ -474,6 +474,20 @@ def test_cpu_precision_not_packed(packed_factory):
         plan_placement(parse_config(None), m)
 
 
+@pytest.mark.parametrize("nvme", ["bf16", "int8"])
+def test_a_cpu_tier_of_nothing_holds_nothing_even_at_a_precision_not_packed(packed_factory, nvme):
+    """cpu fraction 0 with the default cpu precision (int8) on a bf16-only pack: no warm expert (each
+    used to cost 0 bytes there, so all "fit" and the manager failed with a KeyError); the rest is cold."""
+    m = read_manifest(packed_factory("mixtral", ("bf16",)))
+    cfg = parse_config({"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0}, "nvme": {"precision": nvme}}})
+    if nvme == "int8":
+        with pytest.raises(ValueError, match=r"^tiers\.nvme\.precision: precision 'int8' was not packed"):
+            plan_placement(cfg, m)
+        return
+    p = plan_placement(cfg, m)
+    assert p.hot and not p.warm and len(p.hot) + len(p.cold) == len(m.keys)
+
+
 @pytest.mark.parametrize("tier", ["gpu", "nvme"])
 def test_other_precisions_not_packed(packed_factory, tier):
     m = read_manifest(packed_factory("mixtral", ("bf16",)))
@@ -529,6 +543,23 @@ def test_auto_staging_is_three_per_routed_expert_where_experts_are_too_large_to_
     check(f, manifest, cfg, expect(f, cfg))
 
 
+def _carry(packed, text: str | None) -> None:
+    """Write the packed config.json as ``text`` (None: carry none) and re-seal the manifest's record of it."""
+    import zlib
+
+    from tiers.loader.manifest_parse import checksum
+
+    doc = json.loads((packed / "manifest.json").read_text())
+    if text is None:
+        (packed / "config.json").unlink()
+        del doc["carried"]["config.json"]
+    else:
+        (packed / "config.json").write_text(text)
+        doc["carried"]["config.json"] = {"crc32": zlib.crc32(text.encode()), "nbytes": len(text.encode())}
+    doc["checksum"] = checksum(doc)
+    (packed / "manifest.json").write_text(json.dumps(doc))
+
+
 def test_auto_staging_reads_top_k_from_the_packed_config(f, manifest, tmp_path):
     import shutil
 
@@ -537,9 +568,28 @@ def test_auto_staging_reads_top_k_from_the_packed_config(f, manifest, tmp_path):
     assert top_k(manifest) == 2
     packed = tmp_path / "p"
     shutil.copytree(manifest.root, packed)
-    (packed / "config.json").write_text("{}")
-    assert top_k(read_manifest(packed)) == 1  # no num_experts_per_tok: one
-    (packed / "config.json").write_text('{"text_config": {"num_experts_per_tok": 8}}')
-    assert top_k(read_manifest(packed)) == 8
-    (packed / "config.json").unlink()
-    assert top_k(read_manifest(packed)) == 1
+    for text, k in [("{}", 1), ('{"text_config": {"num_experts_per_tok": 8}}', 8), ("[]", 1), ('{"text_config": [8]}', 1),
+                    ("[" * 5000 + "]" * 5000, 1), (None, 1)]:  # no num_experts_per_tok, or no config: one
+        _carry(packed, text)
+        assert top_k(read_manifest(packed)) == k, text
+
+
+@pytest.mark.parametrize("change", ["edit", "fifo"])
+def test_top_k_reads_only_the_checked_config(manifest, tmp_path, change):
+    """A config.json that differs from the manifest's record is refused, naming it; a FIFO in its
+    place is refused too, never opened to wait for a writer (a load used to hang there)."""
+    import os
+    import shutil
+
+    from tiers.loader.pack_files import IntegrityError
+    from tiers.policy.placement import top_k
+
+    packed = tmp_path / "p"
+    shutil.copytree(manifest.root, packed)
+    if change == "edit":
+        (packed / "config.json").write_text('{"num_experts_per_tok": 8}')
+    else:
+        (packed / "config.json").unlink()
+        os.mkfifo(packed / "config.json")
+    with pytest.raises(IntegrityError, match=r"carried file '.*config\.json' (differs from the manifest|is not a regular file)"):
+        top_k(read_manifest(packed))
