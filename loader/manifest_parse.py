@@ -153,6 +153,8 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
             raise p.fail(f"{field}.blobs.{prec}", "differs from this build's blob layout for the layer's layout; re-pack")
         blobs[prec] = bl
     experts = p.get(entry, "experts", list, field)
+    if len(experts) != layout.num_experts:  # before anything is sized by num_experts (10**30 of them)
+        raise p.fail(f"{field}.experts", f"{len(experts)} entries, the layer's layout has {shown(layout.num_experts)} experts")
     ids = [p.count(e, "expert", f"{field}.experts[{j}]") for j, e in enumerate(experts)]
     if sorted(ids) != list(range(layout.num_experts)):
         raise p.fail(f"{field}.experts", f"expert ids {shown(sorted(ids))} are not exactly 0..{layout.num_experts - 1}")

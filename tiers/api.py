@@ -118,6 +118,18 @@ def _model_config(manifest: Manifest, carried: dict[str, bytes]) -> PretrainedCo
         raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({type(e).__name__}: {shown(str(e))})") from None
 
 
+def _check_top_k(manifest: Manifest, config: PretrainedConfig) -> None:
+    """A token routes to 1..E experts (E: the fewest a packed layer has); any other
+    ``num_experts_per_tok`` fails only inside the forward, or routes to nothing."""
+    k = getattr(config, "num_experts_per_tok", None)
+    if k is None:  # a multimodal config keeps it in its text model's
+        k = getattr(getattr(config, "text_config", None), "num_experts_per_tok", None)
+    n = min(e.layout.num_experts for e in manifest.layers.values())
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n):
+        raise FormatError(f"{manifest.root / 'config.json'}: num_experts_per_tok is {shown(k)}, expected 1..{n} "
+                          f"(the packed MoE layers have {n} experts)")
+
+
 def _generation_config(manifest: Manifest, carried: dict[str, bytes]) -> GenerationConfig | None:
     """The carried generation_config.json's settings (None without one); values transformers refuses are refused naming the file."""
     doc = _carried_json(manifest, carried, "generation_config.json")
@@ -173,7 +185,9 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     dev = _resolve_device(device)
     placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
     carried = verify_files(manifest)
-    model = _skeleton(manifest, _model_config(manifest, carried))
+    config = _model_config(manifest, carried)
+    _check_top_k(manifest, config)
+    model = _skeleton(manifest, config)
     modules = _experts(model, manifest)
     expert_params = {f"{name}.{t.name}" for layer, (name, _) in modules.items() for t in manifest.layers[layer].layout.tensors}
     _load_dense(model, manifest, expert_params, dev)

@@ -210,6 +210,9 @@ def test_a_layout_of_infinite_size_is_refused(packed_copy):
     (lambda c: c.update(num_local_experts=16), r"config\.json: layer 0's experts \(model\.layers\.0\.mlp\.experts\) do not match the layout "
                                          r".*manifest\.json packed for it"),
     (lambda c: c.update(num_hidden_layers=2), r"config\.json: the model it builds has MoE layers \[0, 1\], .*manifest\.json packed \[0, 1, 2\]"),
+    # placement's staging slots counted down from 2 x 10**30 (a hang); 0 routes to nothing, -1 or 9 fail inside the forward
+    *[(lambda c, k=k: c.update(num_experts_per_tok=k), rf"config\.json: num_experts_per_tok is {k}, expected 1\.\.8 ")
+      for k in (10**30, 9, 0, -1)],
 ])
 def test_a_resealed_config_no_model_matches_is_refused_naming_it(packed_copy, change, match):
     """config.json edited and its record re-sealed: whatever transformers or the model raise on its
@@ -226,3 +229,11 @@ def test_a_resealed_generation_config_transformers_refuses_is_refused_naming_it(
     _carry(packed_copy, "generation_config.json", lambda doc: doc.update({key: value}))
     with pytest.raises(FormatError, match=r"generation_config\.json: not a generation config \(\w+: "):
         _load(packed_copy)
+
+
+def test_a_layer_of_more_experts_than_it_lists_is_refused_before_anything_is_sized_by_it(packed_copy):
+    """num_experts of 10**30 raised OverflowError (a list that long); 2**31 would have filled memory."""
+    for n in (10**30, 2**31, 9):
+        _edit(packed_copy, lambda doc: doc["layers"][2]["layout"].update(num_experts=n))
+        with pytest.raises(FormatError, match=rf"manifest\.json: layers\[2\]\.experts: 8 entries, the layer's layout has {n} experts"):
+            read_manifest(packed_copy)

@@ -123,9 +123,14 @@ def transit_rows(staging: int, lossy_nbytes: int) -> int:
 
 
 def top_k(manifest: Manifest) -> int:
-    """Experts routed per token, from the packed ``config.json`` (1 when it does not say), read as
-    every carried file is: a regular file inside the pack, its bytes checked against the manifest
-    (``IntegrityError`` naming it otherwise)."""
+    """Experts routed per token, from the packed ``config.json`` (1 when it does not say; at most a
+    layer's experts: tiers.load refuses a config that says more), read as every carried file is: a
+    regular file inside the pack, its bytes checked against the manifest (``IntegrityError`` naming
+    it otherwise)."""
+    return min(_config_top_k(manifest), max(e.layout.num_experts for e in manifest.layers.values()))
+
+
+def _config_top_k(manifest: Manifest) -> int:
     if "config.json" not in manifest.carried:
         return 1
     try:
