@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import save_tiny
+from disk_faults import WHERE, full_disk, read_only_fs
+from tiers.loader.lock import hold
 from tiers.loader.packed import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,8 +92,11 @@ def test_pack_main_removes_what_a_killed_pack_left(checkpoint_factory, tmp_path,
     with subprocess.Popen([sys.executable, "-c", KILLED_PACK, str(src), str(dst)], env=env, stderr=subprocess.PIPE, text=True) as proc:
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err
-    (left,) = tmp_path.iterdir()
-    assert left.name == f".packed.tmp-{proc.pid}" and (left / "experts" / "int8" / "layer-0000.safetensors").is_file()
+    # Its staging directory, and its lock file: the kernel dropped the lock with the process, the file stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".packed.lock", f".packed.tmp-{proc.pid}"]
+    assert (tmp_path / ".packed.lock").read_text().split()[0] == str(proc.pid)
+    left = tmp_path / f".packed.tmp-{proc.pid}"
+    assert (left / "experts" / "int8" / "layer-0000.safetensors").is_file()
     nbytes = sum(p.stat().st_size for p in left.rglob("*") if p.is_file())
     capsys.readouterr()
     assert pack_cli.main([str(src), str(dst), "--quiet"]) == 0
@@ -218,6 +223,55 @@ def test_pack_main_os_errors_are_one_line(checkpoint_factory, tmp_path, capsys, 
     assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
     msg = _one_error_line(capsys.readouterr().err)
     assert msg == f"[Errno {errno.ENOSPC}] No space left on device (packing {src} into {dst})"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_locked_destination_is_one_line(checkpoint_factory, tmp_path, capsys):
+    """Another pack holds the destination (here: a holder in this process, on its own descriptor)."""
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    capsys.readouterr()
+    with hold(dst):
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and _one_error_line(err) == (
+        f"destination {str(dst)!r} is being packed by another pack (pid {os.getpid()}), which holds .packed.lock "
+        f"beside it; wait for that pack to end, or pack into another directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("where", list(WHERE))
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG], ids=["ENOSPC", "EFBIG"])
+def test_pack_main_full_disk_is_one_line_and_leaves_nothing(checkpoint_factory, tmp_path, capsys, monkeypatch, code, where):
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    fired = full_disk(monkeypatch, code, where)
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    assert fired, "the fault did not strike"
+    assert _one_error_line(capsys.readouterr().err) == f"[Errno {code}] {os.strerror(code)} (packing {src} into {dst})"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_read_only_filesystem_is_one_line_and_leaves_nothing(checkpoint_factory, tmp_path, capsys, monkeypatch):
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        fired = read_only_fs(m, tmp_path)
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    assert fired
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg == f"[Errno {errno.EROFS}] {os.strerror(errno.EROFS)}: '{tmp_path / '.packed.lock'}'"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "nonsense"], "device 'nonsense' cannot quantize experts (Expected one of cpu, cuda"),
+    (["--precisions", "fp4"], "fp4"),
+], ids=["device", "precision"])
+def test_pack_main_bad_arguments_are_one_line_and_leave_nothing(checkpoint_factory, tmp_path, capsys, args, says):
+    capsys.readouterr()
+    assert pack_cli.main([str(checkpoint_factory(MODEL)), str(tmp_path / "packed"), "--quiet", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and says in _one_error_line(err)
     assert list(tmp_path.iterdir()) == []
 
 
