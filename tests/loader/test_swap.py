@@ -8,6 +8,7 @@ import importlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,12 @@ APPEARED = "appeared while this pack ran (something else created it)"
 REPLACED = "was replaced while this pack ran (it is no longer what overwrite=True was given to replace)"
 
 
+def _untouched(path: Path):
+    """What is at ``path`` and its inode's change time: a rename (even moved away and back) changes it."""
+    time.sleep(0.02)  # past the filesystem's coarse clock tick, so a change now would show
+    return _state(path), os.lstat(path).st_ctime_ns
+
+
 @pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("what", THINGS)
 def test_what_appeared_meanwhile_is_never_replaced(tmp_path, overwrite, what):
@@ -121,11 +128,11 @@ def test_what_appeared_meanwhile_is_never_replaced(tmp_path, overwrite, what):
         assert target == Target(dst, None)
         tmp = _finished(tmp_path)
         _make(dst, what)
-        before = _state(dst)
+        before = _untouched(dst)
         with pytest.raises(FileExistsError) as e:
             target.place(tmp)
     assert str(e.value) == _appeared(dst, APPEARED)
-    assert _state(dst) == before and (tmp / "manifest.json").read_text() == "new"
+    assert _untouched(dst) == before and (tmp / "manifest.json").read_text() == "new"
 
 
 @pytest.mark.parametrize("how", ["moved_away", "deleted"])
@@ -140,10 +147,11 @@ def test_what_replaced_the_original_meanwhile_is_never_removed(tmp_path, how):
             shutil.rmtree(dst)  # the pin keeps its inode number from being given to the new one
         dst.mkdir()
         (dst / "newer.txt").write_text("someone else's")
+        before = _untouched(dst)
         with pytest.raises(FileExistsError) as e:
             target.place(tmp)
     assert str(e.value) == _appeared(dst, REPLACED)
-    assert _state(dst) == ("dir", [("newer.txt", "someone else's")])
+    assert _untouched(dst) == before == (("dir", [("newer.txt", "someone else's")]), before[1])
     if how == "moved_away":
         assert _state(tmp_path / "moved") == ("dir", [("theirs.txt", "theirs")])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".packed.tmp-1", "packed"] + (["moved"] if how == "moved_away" else []))
@@ -160,6 +168,28 @@ def test_what_it_was_given_is_replaced_and_removed(tmp_path, what):
     assert sorted(p.name for p in tmp_path.iterdir()) == left  # a symlink's target is not removed, nor followed
     if what == "symlink":
         assert (tmp_path / "elsewhere" / "theirs.txt").read_text() == "theirs"
+
+
+def test_replaced_in_the_instant_before_the_rename_is_put_back(tmp_path, monkeypatch):
+    """The identity is checked again once moved aside: what was put in place of the original
+    between the first check and the rename goes back where it was, not into the removal."""
+    dst = tmp_path / "packed"
+    _make(dst, "dir")
+
+    def replaced_now(root):  # runs between the first identity check and the rename aside
+        dst.rename(tmp_path / "moved")
+        dst.mkdir()
+        (dst / "newer.txt").write_text("someone else's")
+
+    monkeypatch.setattr(swap_module, "_check_removable", replaced_now)
+    with claim(dst, overwrite=True) as target:
+        tmp = _finished(tmp_path)
+        with pytest.raises(FileExistsError) as e:
+            target.place(tmp)
+    assert str(e.value) == _appeared(dst, REPLACED)
+    assert _state(dst) == ("dir", [("newer.txt", "someone else's")])
+    assert _state(tmp_path / "moved") == ("dir", [("theirs.txt", "theirs")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".packed.tmp-1", "moved", "packed"]
 
 
 def test_what_it_was_given_gone_meanwhile_is_nothing_to_replace(tmp_path):
