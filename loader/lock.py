@@ -10,7 +10,8 @@ a pack killed outright leaves a stale file that blocks nothing: the next pack lo
 The holder unlinks the file while still holding it, so nothing is left beside the destination;
 because of that unlink, a pack that locks an inode checks that the name still points at it (a
 holder may have unlinked it between this pack's open and its flock) and otherwise starts over.
-The lock is advisory: it excludes other packs, not other programs.
+The lock is advisory: it excludes other packs, not other programs. POSIX only (fcntl), as the
+disk store's preadv already is.
 """
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ def _release(fd: int, path: Path) -> None:
     try:
         if _names(path, fd):  # unlink while still holding: no pack can hold this inode meanwhile
             os.unlink(path)
+    except OSError:
+        # A stale file reused in a directory this pack cannot write: left, a lock that blocks
+        # nothing, rather than an error raised here in place of the pack's own (or its success).
+        pass
     finally:
         os.close(fd)  # drops the flock
 

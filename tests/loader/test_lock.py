@@ -141,3 +141,25 @@ def test_a_symlink_at_the_lock_name_is_not_followed(tmp_path):
         with hold(tmp_path / "packed"):
             pytest.fail("locked through a symlink")
     assert target.read_text() == "keep" and lock_path(tmp_path / "packed").is_symlink()
+
+
+def test_a_lock_file_that_cannot_be_removed_does_not_hide_the_packs_own_error(tmp_path, monkeypatch):
+    """A stale file reused in a directory the pack cannot write: the pack fails on its own
+    first write, and that error, not the lock file's, is what it raises."""
+    dst = tmp_path / "packed"
+    real_unlink = os.unlink
+
+    def read_only(path, *args, **kwargs):
+        if Path(path) == lock_path(dst):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(lock_module.os, "unlink", read_only)
+    with pytest.raises(RuntimeError, match="the pack's own"):
+        with hold(dst):
+            raise RuntimeError("the pack's own")
+    assert [p.name for p in tmp_path.iterdir()] == [".packed.lock"]  # left: it blocks nothing
+    monkeypatch.undo()
+    with hold(dst):
+        pass
+    assert list(tmp_path.iterdir()) == []
