@@ -268,7 +268,7 @@ def pack(
         prior = routing_prior(routing, {L: layout.num_experts for L, layout in plan.layouts.items()}, str(src_path))
 
     if not dst.parent.is_dir():
-        dst.parent.mkdir(parents=True)
+        dst.parent.mkdir(parents=True, exist_ok=True)  # exist_ok: another pack may make it in the meantime
     with hold(dst), claim(dst, overwrite=overwrite) as target:
         removed = remove_stale(dst)  # a pack killed outright (SIGKILL) left these, each as large as a pack
         tmp = staging_dir(dst, "tmp")
