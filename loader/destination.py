@@ -9,9 +9,11 @@ outright (SIGKILL, a power cut) left behind, which no ``finally`` could remove.
 Invariant: a staging directory is removed only when its PID names no process running on this
 host; those of running processes (another pack of the same destination, or this one) are left
 alone. A PID the system has since given to an unrelated process keeps its directory until that
-process ends: wasted space for a while, never a removed pack. PIDs are this host's, so a pack
-running on another host (or in another PID namespace) over a shared filesystem is invisible
-here: do not run packs of one destination from two hosts at once.
+process ends: wasted space for a while, never a removed pack. A pack removes them while it holds
+the destination's lock (``loader.lock``), which keeps every other pack of this destination out;
+the PID check stays as the guard where the lock does not reach: PIDs are this host's, and a
+flock over a network filesystem is only as good as that filesystem's lock support, so do not
+run packs of one destination from two hosts at once.
 """
 from __future__ import annotations
 

@@ -4,12 +4,16 @@ Owns: mapping source keys onto the model's experts modules, fusing per-expert pr
 the module's own layout, encoding each expert once per precision, and writing the result
 atomically. Invariants: the source is streamed one expert (or one dense tensor) at a time;
 the output is built in a temporary directory beside the destination and renamed into place
-only when complete, so an interrupted pack never leaves a directory that loads.
+only when complete, so an interrupted pack never leaves a directory that loads; from the first
+write to the last, the pack holds its destination's lock (``loader.lock``), so packs of one
+destination never overlap, and the final rename replaces only what it was given to replace
+(``loader.swap``). Every exit, an error's included, removes what the pack created.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import time
@@ -26,9 +30,11 @@ from .. import quant
 from .blob import BLOB_ALIGN, align, blob_layout
 from .destination import StaleDir, check_apart, remove_stale, staging_dir
 from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
+from .lock import hold
 from .packed import MANIFEST, file_crc32, manifest_json, routing_prior
 from .skeleton import build_skeleton, key_renamer
 from .source import SourceCheckpoint
+from .swap import claim, exists_error
 
 DEFAULT_PRECISIONS = ("bf16", "int8")
 DENSE_SHARD_BYTES = 1 << 30
@@ -79,6 +85,17 @@ class PackSummary:
 
 def _human(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Where everything comes from: what ``_plan`` sorted the source's keys into."""
+
+    experts: dict  # layer -> (module name, experts module)
+    layouts: dict[int, ExpertLayout]
+    dense: dict[str, str]  # model key -> source key
+    sources: dict  # layer -> _ExpertSource
+    skipped: list[str]
 
 
 @dataclass
@@ -219,6 +236,13 @@ def pack(
     """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``,
     and always (ValueError) if ``dst`` is ``src``, lies inside it or contains it.
 
+    Races: a pack into a destination another pack is writing raises ``DestinationLocked`` (an
+    OSError naming the destination and the other pack's pid) before writing anything. At the end,
+    something that appeared at ``dst`` meanwhile (or, with ``overwrite``, replaced what was there
+    at the start) is left untouched and the pack fails with FileExistsError; with ``overwrite``
+    only what was at ``dst`` when the pack started is replaced. On any error nothing the pack
+    created is left: no temporary directory, no lock file (parent directories it made remain).
+
     ``routing``: a routing file (``tiers.save_routing``) or its parsed document, embedded in the
     manifest as the checkpoint's routing prior, by which a load without a routing file ranks
     the experts for its hot and warm sets. It is checked against the source's MoE layers before
@@ -230,62 +254,85 @@ def pack(
     """
     t0 = time.perf_counter()
     src_path, dst = Path(src), Path(dst)
-    precisions = list(dict.fromkeys(precisions))
-    for p in precisions:
-        quant.get_scheme(p)  # ValueError naming the unknown precision
+    precisions = _check_precisions(precisions)
+    dev = _check_device(device)
     check_apart(src_path, dst)  # before the exists check, whose hint (--overwrite) would destroy the source here
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"destination {str(dst)!r} exists; pass --overwrite (overwrite=True) to replace it")
+    if os.path.lexists(dst) and not overwrite:  # early, before reading the source; claim checks again under the lock
+        raise exists_error(dst)
     source = SourceCheckpoint(src_path)
     config = AutoConfig.from_pretrained(src_path)
     model = build_skeleton(config)
-    experts, layouts, dense, sources, skipped = _plan(source, model)
+    plan = _Plan(*_plan(source, model))
     prior = None
     if routing is not None:
-        prior = routing_prior(routing, {L: layout.num_experts for L, layout in layouts.items()}, str(src_path))
+        prior = routing_prior(routing, {L: layout.num_experts for L, layout in plan.layouts.items()}, str(src_path))
 
-    removed = remove_stale(dst)  # a pack killed outright (SIGKILL) left these, each as large as a pack
-    tmp = staging_dir(dst, "tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        carried = {}
-        for f in source.carried_files():
-            shutil.copy2(f, tmp / f.name)
-            carried[f.name] = {"crc32": file_crc32(tmp / f.name), "nbytes": (tmp / f.name).stat().st_size}
-        dense_files = _write_dense(source, dense, tmp)
-        layer_docs, bytes_per_precision, expert_files = _write_experts(
-            source, experts, layouts, sources, precisions, tmp, progress, torch.device(device)
-        )
-        pack_doc = {"precisions": precisions, "source": src_path.name, "seconds": round(time.perf_counter() - t0, 3)}
-        (tmp / MANIFEST).write_text(
-            manifest_json(
-                model_type=config.model_type,
-                precisions=precisions,
-                layers=layer_docs,
-                dense_files=dense_files,
-                carried=carried,
-                expert_files=expert_files,
-                pack=pack_doc,
-                skipped_keys=skipped,
-                routing_prior=prior,
-            )
-        )
-        if dst.exists():
-            old = staging_dir(dst, "old")
-            dst.rename(old)
-            tmp.rename(dst)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    n_experts = sum(layouts[L].num_experts for L in layouts)
+    if not dst.parent.is_dir():
+        dst.parent.mkdir(parents=True, exist_ok=True)  # exist_ok: another pack may make it in the meantime
+    with hold(dst), claim(dst, overwrite=overwrite) as target:
+        removed = remove_stale(dst)  # a pack killed outright (SIGKILL) left these, each as large as a pack
+        tmp = staging_dir(dst, "tmp")
+        if tmp.is_dir() and not tmp.is_symlink():  # this PID's under the lock: a dead pack's whose PID this one reuses
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            pack_doc = {"precisions": precisions, "source": src_path.name}
+            dense_files, bytes_per_precision = _write(source, config, plan, tmp, precisions, pack_doc, prior, progress, dev, t0)
+            target.place(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    n_experts = sum(layout.num_experts for layout in plan.layouts.values())
     dense_bytes = sum(f["nbytes"] for f in dense_files.values())
-    return PackSummary(dst, n_experts, len(layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0, skipped,
-                       routing_prior=prior is not None, removed=removed)
+    return PackSummary(dst, n_experts, len(plan.layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0,
+                       plan.skipped, routing_prior=prior is not None, removed=removed)
+
+
+def _check_precisions(precisions) -> list[str]:
+    if isinstance(precisions, str):
+        raise TypeError(f"precisions {precisions!r}: pass a list of precision names, e.g. [{precisions!r}]")
+    out = list(dict.fromkeys(precisions))
+    if not out:
+        raise ValueError("precisions is empty: pass at least one, e.g. ['bf16']")
+    for p in out:
+        quant.get_scheme(p)  # ValueError naming the unknown precision
+    return out
+
+
+def _check_device(device) -> torch.device:
+    """The device experts are quantized on, checked usable before anything is written."""
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+        raise ValueError(f"device {str(device)!r} cannot quantize experts ({e}); pass cpu or an available cuda device") from None
+    return dev
+
+
+def _write(source, config, plan: _Plan, tmp: Path, precisions, pack_doc, prior, progress, dev, t0):
+    """Every file of the pack into ``tmp``, the manifest last; (dense files, bytes per precision)."""
+    carried = {}
+    for f in source.carried_files():
+        shutil.copy2(f, tmp / f.name)
+        carried[f.name] = {"crc32": file_crc32(tmp / f.name), "nbytes": (tmp / f.name).stat().st_size}
+    dense_files = _write_dense(source, plan.dense, tmp)
+    layer_docs, bytes_per_precision, expert_files = _write_experts(
+        source, plan.experts, plan.layouts, plan.sources, precisions, tmp, progress, dev
+    )
+    (tmp / MANIFEST).write_text(
+        manifest_json(
+            model_type=config.model_type,
+            precisions=precisions,
+            layers=layer_docs,
+            dense_files=dense_files,
+            carried=carried,
+            expert_files=expert_files,
+            pack={**pack_doc, "seconds": round(time.perf_counter() - t0, 3)},
+            skipped_keys=plan.skipped,
+            routing_prior=prior,
+        )
+    )
+    return dense_files, bytes_per_precision
 
 
 def _write_dense(source: SourceCheckpoint, dense: dict[str, str], out: Path) -> dict[str, dict]:

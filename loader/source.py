@@ -2,15 +2,19 @@
 
 Owns: listing the shards (through ``model.safetensors.index.json`` when present) and reading
 single tensors or single experts' slices through ``safe_open``, which maps the file and never
-holds a whole shard. A shard named by the index but absent is an error naming that file.
+holds a whole shard. Errors name the file: a shard named by the index but absent, an index that
+is not JSON or has no ``weight_map`` of names to shard files, a shard whose header does not parse
+(a ValueError, where safetensors' own error names no file).
 """
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -25,7 +29,7 @@ class SourceCheckpoint:
         index = self.path / INDEX_NAME
         self.key_to_file: dict[str, str] = {}
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
             for fname in sorted(set(weight_map.values())):
                 if not (self.path / fname).is_file():
                     raise FileNotFoundError(f"shard {fname!r} listed in {INDEX_NAME} is missing from {str(self.path)!r}")
@@ -35,9 +39,19 @@ class SourceCheckpoint:
             if not shards:
                 raise ValueError(f"source checkpoint {str(self.path)!r} has no *.safetensors files")
             for fname in shards:
-                with safe_open(self.path / fname, framework="pt") as f:
+                with self._open(fname) as f:
                     for key in f.keys():
                         self.key_to_file[key] = fname
+
+    @contextmanager
+    def _open(self, fname: str) -> Iterator:
+        """``safe_open`` on one shard; a shard that does not parse, or lacks a tensor the index
+        puts in it, is a ValueError naming the shard."""
+        try:
+            with safe_open(self.path / fname, framework="pt") as f:
+                yield f
+        except SafetensorError as e:
+            raise ValueError(f"source shard {str(self.path / fname)!r} cannot be read: {e}") from None
 
     def keys(self) -> list[str]:
         return list(self.key_to_file)
@@ -46,17 +60,17 @@ class SourceCheckpoint:
     # touched mapped into this process, so a long pack would count the whole checkpoint in its
     # resident set. Re-opening costs one header parse.
     def get(self, key: str) -> torch.Tensor:
-        with safe_open(self.path / self.key_to_file[key], framework="pt") as f:
+        with self._open(self.key_to_file[key]) as f:
             return f.get_tensor(key)
 
     def get_expert(self, key: str, expert: int) -> torch.Tensor:
         """One expert's slice ``[expert]`` of a fused [E, ...] tensor, read without the rest."""
-        with safe_open(self.path / self.key_to_file[key], framework="pt") as f:
+        with self._open(self.key_to_file[key]) as f:
             return f.get_slice(key)[expert]
 
     def meta(self, key: str) -> tuple[str, list[int]]:
         """(safetensors dtype name, shape) without reading the data."""
-        with safe_open(self.path / self.key_to_file[key], framework="pt") as f:
+        with self._open(self.key_to_file[key]) as f:
             sl = f.get_slice(key)
             return sl.get_dtype(), list(sl.get_shape())
 
@@ -67,3 +81,15 @@ class SourceCheckpoint:
             p for p in self.path.iterdir()
             if p.is_file() and not p.name.endswith(skip_suffixes) and p.name != INDEX_NAME
         )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file), checked; ValueError naming the index."""
+    try:
+        doc = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"source index {str(index)!r} is not valid JSON ({e})") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ValueError(f"source index {str(index)!r} has no 'weight_map' of tensor names to shard files")
+    return weight_map

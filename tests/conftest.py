@@ -42,14 +42,15 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
-def tiny_config(model_type: str):
-    kw = {**COMMON, **{**MODELS, **UNSERVABLE}[model_type]}
+def tiny_config(model_type: str, **overrides):
+    """The tiny config of ``model_type``; ``overrides`` replace its keys (more experts, layers, positions)."""
+    kw = {**COMMON, **{**MODELS, **UNSERVABLE}[model_type], **overrides}
     return AutoConfig.for_model(model_type, **kw)
 
 
-def save_tiny(model_type: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def save_tiny(model_type: str, path: Path, *, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides), dtype=torch.bfloat16)
     # Default init (std 0.02) makes near-uniform logits; larger weights make routing and logits decisive.
     with torch.no_grad():
         for name, p in model.named_parameters():

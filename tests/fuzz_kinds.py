@@ -4,9 +4,9 @@ YAML is changed as text, line by line, where its surprises live: YAML 1.1 scalar
 ``0x10``, ``1:30``, dates), tags, typos and duplicates of keys, indentation, alias bombs, deep
 nesting. File-system kinds put a symlink out of the pack, a FIFO, a directory or a device where a
 file was, or exchange two files. ``after.*`` kinds change the expert files (or others) of a loaded
-pack between two forwards; the harness loads those with ``verify="always"``, since under the
-default ``verify="first"`` a cold blob changed after its first read is served as it then reads
-(documented in docs/format.md). ``Kind.weight`` is a kind's share of a plan's cases.
+pack between two forwards; the harness loads those with ``verify="always"``, which checks every
+cold read (the default checks a blob again only once its file's stamp changed: docs/format.md).
+``Kind.weight`` is a kind's share of a plan's cases.
 """
 from __future__ import annotations
 

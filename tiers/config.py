@@ -4,7 +4,10 @@ Owns: parsing, defaults and validation. Every error is a ValueError naming the k
 e.g. ``tiers.gpu.fraction``), the value given and what is allowed. Sizes are a fraction in
 [0, 1] (``fraction: 0.25``) or bytes (``budget: 24GiB``, ``budget: 512MB``, ``budget: 1073741824``).
 Checks that need the packed checkpoint (a budget smaller than one expert, a precision that
-was not packed) happen in ``tiers.policy.placement.plan_placement``.
+was not packed) happen in ``tiers.policy.placement.plan_placement``. A file is read by
+``tiers.config_yaml`` (strict YAML: decimal numbers, true/false and text, no aliases, no key
+twice), and every value a message shows goes through its ``show`` (at most about 200 characters,
+in bounded work).
 """
 from __future__ import annotations
 
@@ -14,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tiers import quant
+from tiers.config_yaml import SHOWN, read_yaml, show
 
 _UNITS = {
     "": 1, "b": 1,
@@ -71,18 +73,18 @@ class TiersConfig:
 def parse_size(value: Any, key: str) -> int:
     """``24GiB`` / ``512MB`` / an int -> bytes."""
     if isinstance(value, bool):
-        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB, got {value!r}")
+        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB, got {show(value)}")
     if isinstance(value, int):
         n = value
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)) and m.group(2).lower() in _UNITS:
         number = float(m.group(1))
         if not math.isfinite(number) or number * _UNITS[m.group(2).lower()] > 2**63:
-            raise ValueError(f"{key}: size {value!r} is out of range")
+            raise ValueError(f"{key}: size {show(value)} is out of range")
         n = int(number * _UNITS[m.group(2).lower()])
     else:
-        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value!r}")
+        raise ValueError(f"{key}: expected a size such as 8GiB or 512MB (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {show(value)}")
     if n <= 0:
-        raise ValueError(f"{key}: a budget must be positive, got {value!r}")
+        raise ValueError(f"{key}: a budget must be positive, got {show(value)}")
     return n
 
 
@@ -90,25 +92,26 @@ def _check_keys(d: Any, key: str, allowed: set[str]) -> dict:
     if d is None:
         return {}
     if not isinstance(d, dict):
-        raise ValueError(f"{key}: expected a mapping with keys {sorted(allowed)}, got {type(d).__name__} {d!r}")
+        raise ValueError(f"{key}: expected a mapping with keys {sorted(allowed)}, got {type(d).__name__} {show(d)}")
     for k in d:
-        if k not in allowed:
-            raise ValueError(f"{key}.{k}: unknown key; allowed: {sorted(allowed)}")
+        if k not in allowed:  # the key itself, unquoted, when it is a short string
+            name = k if isinstance(k, str) and len(k) <= SHOWN else show(k)
+            raise ValueError(f"{key}.{name}: unknown key; allowed: {sorted(allowed)}")
     return d
 
 
 def _size(d: dict, key: str, default: TierSize) -> TierSize:
     has_f, has_b = "fraction" in d, "budget" in d
     if has_f and has_b:
-        raise ValueError(f"{key}: give either fraction or budget, not both (got fraction={d['fraction']!r}, budget={d['budget']!r})")
+        raise ValueError(f"{key}: give either fraction or budget, not both (got fraction={show(d['fraction'])}, budget={show(d['budget'])})")
     if has_b:
         return TierSize(budget=parse_size(d["budget"], f"{key}.budget"))
     if has_f:
         f = d["fraction"]
         if isinstance(f, bool) or not isinstance(f, (int, float)):
-            raise ValueError(f"{key}.fraction: expected a number in [0, 1], got {f!r}")
+            raise ValueError(f"{key}.fraction: expected a number in [0, 1], got {show(f)}")
         if not 0 <= f <= 1:
-            raise ValueError(f"{key}.fraction: must be in [0, 1], got {f!r}")
+            raise ValueError(f"{key}.fraction: must be in [0, 1], got {show(f)}")
         return TierSize(fraction=float(f))
     return default
 
@@ -117,14 +120,14 @@ def _flag(d: dict, section: str, name: str, default: bool) -> bool:
     """The true/false key ``section.name`` (``default`` when absent)."""
     value = d.get(name, default)
     if not isinstance(value, bool):
-        raise ValueError(f"{section}.{name}: expected true or false, got {value!r}")
+        raise ValueError(f"{section}.{name}: expected true or false, got {show(value)}")
     return value
 
 
 def _precision(d: dict, key: str, default: str) -> str:
     p = d.get("precision", default)
     if not isinstance(p, str) or p not in quant.scheme_names():
-        raise ValueError(f"{key}.precision: unknown precision {p!r}; allowed: {list(quant.scheme_names())}")
+        raise ValueError(f"{key}.precision: unknown precision {show(p)}; allowed: {list(quant.scheme_names())}")
     return p
 
 
@@ -144,7 +147,7 @@ def parse_config(doc: Any) -> TiersConfig:
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
-        raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got {slots!r}")
+        raise ValueError(f"tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got {show(slots)}")
     gpu = GpuTier(_size(g, "tiers.gpu", d.gpu.size), _precision(g, "tiers.gpu", d.gpu.precision), slots,
                   _flag(g, "tiers.gpu", "graphs", d.gpu.graphs))
     cpu_default = d.cpu.size
@@ -155,7 +158,7 @@ def parse_config(doc: Any) -> TiersConfig:
     if gpu.size.fraction is not None and cpu.size.fraction is not None and gpu.size.fraction + cpu.size.fraction > 1.0 + 1e-9:
         raise ValueError(
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
-            f"{gpu.size.fraction} + {cpu.size.fraction} = {gpu.size.fraction + cpu.size.fraction}"
+            f"{show(gpu.size.fraction)} + {show(cpu.size.fraction)} = {show(gpu.size.fraction + cpu.size.fraction)}"
         )
     return TiersConfig(gpu, cpu, nvme, _rebalance(r))
 
@@ -163,7 +166,7 @@ def parse_config(doc: Any) -> TiersConfig:
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:
     v = d.get(name, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"{key}.{name}: expected an integer in [{lo}, {hi}], got {v!r}")
+        raise ValueError(f"{key}.{name}: expected an integer in [{lo}, {hi}], got {show(v)}")
     return v
 
 
@@ -187,14 +190,10 @@ def load_config(config: str | Path | dict | TiersConfig | None) -> TiersConfig:
     if isinstance(config, (str, Path)):
         path = Path(config)
         if path.is_dir():
-            raise ValueError(f"config: {str(path)!r} is a directory, expected a YAML file")
+            raise ValueError(f"config: {show(str(path))} is a directory, expected a YAML file")
         if not path.is_file():
-            raise ValueError(f"config: file {str(path)!r} does not exist")
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ValueError(f"config: {str(path)!r} is not valid YAML: {e}") from None
-        return parse_config(doc)
+            raise ValueError(f"config: file {show(str(path))} does not exist")
+        return parse_config(read_yaml(path))
     raise ValueError(f"config: expected a YAML path, a dict or None, got {type(config).__name__}")
 
 

@@ -21,13 +21,13 @@ from tiers.config import load_config, precisions_needed  # noqa: E402
 
 # What a user can cause and fix (a bad path, config or routing file, a full disk, a read-only
 # directory): one line on stderr and exit status 2. Anything else is a bug and keeps its traceback.
-EXPECTED_ERRORS = (ValueError, OSError, yaml.YAMLError)  # OSError: FileExistsError, FileNotFoundError, PermissionError, ENOSPC
+EXPECTED_ERRORS = (ValueError, OSError, yaml.YAMLError)  # OSError: FileExistsError, PermissionError, ENOSPC, DestinationLocked
 
 
 def _error(e: BaseException, context: str) -> int:
     msg = " ".join(line.strip() for line in str(e).splitlines() if line.strip()) or type(e).__name__
-    if isinstance(e, OSError) and e.filename is None:
-        msg += f" ({context})"  # e.g. a full disk's ENOSPC names no file
+    if isinstance(e, OSError) and e.errno is not None and e.filename is None:
+        msg += f" ({context})"  # e.g. a full disk's ENOSPC names no file (a message of pack's own names its paths)
     print(f"tiers-pack: error: {msg}", file=sys.stderr)
     return 2
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import yaml
@@ -124,7 +123,7 @@ bad_precision = st.one_of(
     st.floats(allow_nan=False),
     st.lists(st.sampled_from(PRECISIONS), max_size=2),
 )
-bad_flag = st.one_of(  # true/false only: YAML's yes/on are bools already; 1, "true" and None are not
+bad_flag = st.one_of(  # true/false only: 1, "true" and None are not (a file's yes/on: tests/tiers/test_config_yaml.py)
     st.none(),
     st.integers(),
     st.floats(),

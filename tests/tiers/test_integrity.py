@@ -3,6 +3,7 @@ file (and the expert), at load for what load reads and on first read for cold ex
 wrong weights served silently."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from pathlib import Path
@@ -242,27 +243,46 @@ def test_missing_dense_file_raises(packed_copy):
 # -- verify="first" / "always" -----------------------------------------------------------------
 @pytest.mark.parametrize("verify", ["first", "always"])
 def test_verify_mode(packed_copy, verify):
+    """A blob changed on disk after its first, checked read is caught on its next read in either
+    mode: the change shows in its file's stamp. Another expert, never read before, is checked on
+    its first read."""
     m = read_manifest(packed_copy)
     key = ExpertKey(0, 5)
     ref = m.ref(key, "int8")
     store = DiskStore(m, ["bf16", "int8"], verify=verify)
     buf = torch.empty(ref.nbytes, dtype=torch.uint8)
     store.read(key, "int8", buf)  # verified, clean
-    clean = buf.clone()
     path = corrupt_expert(packed_copy, key, "int8")
-    buf2 = torch.empty(ref.nbytes, dtype=torch.uint8)
-    if verify == "first":
-        store.read(key, "int8", buf2)  # already verified once: not re-checked
-        assert not torch.equal(buf2, clean)  # (the read itself really sees the new bytes)
-    else:
-        with pytest.raises(tiers.IntegrityError) as ei:
-            store.read(key, "int8", buf2)
-        assert_names(ei, path, key)
-    # Another expert, never read before, is checked on its first read in either mode.
+    with pytest.raises(tiers.IntegrityError) as ei:
+        store.read(key, "int8", torch.empty(ref.nbytes, dtype=torch.uint8))
+    assert_names(ei, path, key)
     other = ExpertKey(0, 6)
     corrupt_expert(packed_copy, other, "int8")
     with pytest.raises(tiers.IntegrityError):
         store.read(other, "int8", torch.empty(m.ref(other, "int8").nbytes, dtype=torch.uint8))
+    store.close()
+
+
+@pytest.mark.parametrize("verify", ["first", "always"])
+def test_what_each_mode_checks_again(packed_copy, verify):
+    """``first`` checks a blob again only once its file changed; ``always`` on every read. The
+    manifest's CRC is changed in memory, so a check that runs fails and one that does not passes."""
+    m = read_manifest(packed_copy)
+    key = ExpertKey(1, 3)
+    ref = m.ref(key, "int8")
+    store = DiskStore(m, ["int8"], verify=verify)
+    buf = torch.empty(ref.nbytes, dtype=torch.uint8)
+    store.read(key, "int8", buf)
+    clean = buf.clone()
+    m.layers[1].experts[3]["int8"] = dataclasses.replace(ref, crc32=ref.crc32 ^ 1)  # a check now fails
+    if verify == "first":
+        store.read(key, "int8", buf)  # the file is as it was: not checked again
+        assert torch.equal(buf, clean)
+        path = packed_copy / ref.file
+        data = path.read_bytes()
+        path.write_bytes(data)  # the same bytes: the file's ctime and mtime change, its content not
+    with pytest.raises(tiers.IntegrityError, match="checksum mismatch"):
+        store.read(key, "int8", buf)
     store.close()
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import save_tiny
+from disk_faults import WHERE, full_disk, read_only_fs
+from tiers.loader.lock import hold
 from tiers.loader.packed import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,8 +92,11 @@ def test_pack_main_removes_what_a_killed_pack_left(checkpoint_factory, tmp_path,
     with subprocess.Popen([sys.executable, "-c", KILLED_PACK, str(src), str(dst)], env=env, stderr=subprocess.PIPE, text=True) as proc:
         _, err = proc.communicate(timeout=300)
     assert proc.returncode == -signal.SIGKILL, err
-    (left,) = tmp_path.iterdir()
-    assert left.name == f".packed.tmp-{proc.pid}" and (left / "experts" / "int8" / "layer-0000.safetensors").is_file()
+    # Its staging directory, and its lock file: the kernel dropped the lock with the process, the file stays.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".packed.lock", f".packed.tmp-{proc.pid}"]
+    assert (tmp_path / ".packed.lock").read_text().split()[0] == str(proc.pid)
+    left = tmp_path / f".packed.tmp-{proc.pid}"
+    assert (left / "experts" / "int8" / "layer-0000.safetensors").is_file()
     nbytes = sum(p.stat().st_size for p in left.rglob("*") if p.is_file())
     capsys.readouterr()
     assert pack_cli.main([str(src), str(dst), "--quiet"]) == 0
@@ -130,19 +135,43 @@ def test_pack_main_config_with_bnb8(checkpoint_factory, tmp_path, capsys):
     assert all(m.layers[k.layer].experts[k.expert]["bnb8"].sqnr_db > 30 for k in m.keys)
 
 
-def test_pack_main_bad_config_and_source(tmp_path, capsys, checkpoint_factory):
-    bad = tmp_path / "bad"
-    bad.mkdir()
-    rc = pack_cli.main([str(bad), str(tmp_path / "out"), "--quiet"])
-    assert rc == 2
-    assert str(bad) in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
-
-
 def _one_error_line(err: str) -> str:
     """The message of a clean CLI error: exactly one line, no traceback."""
     assert err.count("\n") == 1 and err.startswith("tiers-pack: error: "), err
     return err[len("tiers-pack: error: "):].rstrip("\n")
+
+
+def _bad_source(kind: str, good: Path, src: Path) -> str:
+    """Make ``src`` a source checkpoint broken as ``kind`` says; the file its error must name."""
+    if kind == "missing":
+        return str(src)
+    if kind == "a_file":
+        src.write_text("not a checkpoint")
+        return str(src)
+    if kind == "empty_dir":
+        src.mkdir()
+        return str(src)
+    shutil.copytree(good, src)
+    if kind == "bad_config_json":
+        (src / "config.json").write_text("{not json")
+        return str(src / "config.json")
+    if kind == "bad_shard":
+        (src / "model.safetensors").write_bytes(b"garbage")
+        return str(src / "model.safetensors")
+    (src / "model.safetensors.index.json").write_text("{}")  # kind == "bad_index"
+    return str(src / "model.safetensors.index.json")
+
+
+@pytest.mark.parametrize("kind", ["missing", "a_file", "empty_dir", "bad_config_json", "bad_shard", "bad_index"])
+def test_pack_main_bad_source_is_one_line_and_leaves_nothing(checkpoint_factory, tmp_path, capsys, kind):
+    src, out = tmp_path / "hf", tmp_path / "out"
+    out.mkdir()
+    names = _bad_source(kind, checkpoint_factory(MODEL), src)
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(out / "packed"), "--quiet"]) == 2
+    stdout, err = capsys.readouterr()
+    assert stdout == "" and names in _one_error_line(err)
+    assert list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -153,8 +182,10 @@ def _one_error_line(err: str) -> str:
         ("tiers:\n  wrong: {}\n", ["tiers.wrong: unknown key"]),
         ("tiers: [\n", ["is not valid YAML"]),
         ("tiers:\n  cpu: {precision: fp4}\n", ["fp4"]),
+        ("tiers:\n  gpu: {fraction: 1.5}\n", ["tiers.gpu.fraction: must be in [0, 1], got 1.5"]),
+        ("- 1\n", ["expected a mapping with keys ['tiers']"]),
     ],
-    ids=["missing", "unknown_key", "unknown_tier", "bad_yaml", "unknown_precision"],
+    ids=["missing", "unknown_key", "unknown_tier", "bad_yaml", "unknown_precision", "bad_fraction", "not_a_mapping"],
 )
 def test_pack_main_bad_config_is_one_line(config, names, checkpoint_factory, tmp_path, capsys):
     src = checkpoint_factory(MODEL)
@@ -218,6 +249,105 @@ def test_pack_main_os_errors_are_one_line(checkpoint_factory, tmp_path, capsys, 
     assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
     msg = _one_error_line(capsys.readouterr().err)
     assert msg == f"[Errno {errno.ENOSPC}] No space left on device (packing {src} into {dst})"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_locked_destination_is_one_line(checkpoint_factory, tmp_path, capsys):
+    """Another pack holds the destination (here: a holder in this process, on its own descriptor)."""
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    capsys.readouterr()
+    with hold(dst):
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and _one_error_line(err) == (
+        f"destination {str(dst)!r} is being packed by another pack (pid {os.getpid()}), which holds .packed.lock "
+        f"beside it; wait for that pack to end, or pack into another directory")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_destination_appearing_mid_pack_is_one_line_and_untouched(checkpoint_factory, tmp_path, capsys, monkeypatch):
+    """Without --overwrite, a destination made by someone else while the pack writes its experts
+    fails the pack at the final swap: one line, and what appeared is left as it was."""
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    pack_module = importlib.import_module("tiers.loader.pack")
+    real = pack_module._write_experts
+
+    def appearing(*args):
+        dst.mkdir()
+        (dst / "theirs.txt").write_text("theirs")
+        return real(*args)
+
+    monkeypatch.setattr(pack_module, "_write_experts", appearing)
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and _one_error_line(err) == (
+        f"destination {str(dst)!r} appeared while this pack ran (something else created it); it is left untouched "
+        f"and this pack's output removed: pack again (with --overwrite to replace it), or into another directory")
+    assert [p.name for p in tmp_path.iterdir()] == ["packed"]
+    assert [(p.name, p.read_text()) for p in dst.iterdir()] == [("theirs.txt", "theirs")]
+
+
+def test_pack_main_read_only_directory_with_a_stale_lock_reports_its_own_error(checkpoint_factory, tmp_path, capsys,
+                                                                               monkeypatch):
+    """A directory that refuses new entries and removals (simulated: root ignores permissions) and
+    holds a killed pack's lock file, which still opens: the one line is the pack's own error (its
+    staging directory refused), not the lock file's removal; the stale file stays, blocking nothing."""
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    (tmp_path / ".packed.lock").write_text("4194305 elsewhere\n")  # a dead pack's: no pid is above 2**22
+
+    def refusing(real):
+        def refuse(path, *args, **kwargs):
+            if Path(os.fsdecode(path)).parent == tmp_path:
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fsdecode(path))
+            return real(path, *args, **kwargs)
+        return refuse
+
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(os, "mkdir", refusing(os.mkdir))
+        m.setattr(os, "unlink", refusing(os.unlink))
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == (
+        f"[Errno {errno.EACCES}] {os.strerror(errno.EACCES)}: '{tmp_path / f'.packed.tmp-{os.getpid()}'}'")
+    assert [p.name for p in tmp_path.iterdir()] == [".packed.lock"]
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 0  # writable again: it packs, and removes the file
+    assert [p.name for p in tmp_path.iterdir()] == ["packed"]
+
+
+@pytest.mark.parametrize("where", list(WHERE))
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG], ids=["ENOSPC", "EFBIG"])
+def test_pack_main_full_disk_is_one_line_and_leaves_nothing(checkpoint_factory, tmp_path, capsys, monkeypatch, code, where):
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    fired = full_disk(monkeypatch, code, where)
+    capsys.readouterr()
+    assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    assert fired, "the fault did not strike"
+    assert _one_error_line(capsys.readouterr().err) == f"[Errno {code}] {os.strerror(code)} (packing {src} into {dst})"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pack_main_read_only_filesystem_is_one_line_and_leaves_nothing(checkpoint_factory, tmp_path, capsys, monkeypatch):
+    src, dst = checkpoint_factory(MODEL), tmp_path / "packed"
+    capsys.readouterr()
+    with monkeypatch.context() as m:
+        fired = read_only_fs(m, tmp_path)
+        assert pack_cli.main([str(src), str(dst), "--quiet"]) == 2
+    assert fired
+    msg = _one_error_line(capsys.readouterr().err)
+    assert msg == f"[Errno {errno.EROFS}] {os.strerror(errno.EROFS)}: '{tmp_path / '.packed.lock'}'"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--device", "nonsense"], "device 'nonsense' cannot quantize experts (Expected one of cpu, cuda"),
+    (["--precisions", "fp4"], "fp4"),
+], ids=["device", "precision"])
+def test_pack_main_bad_arguments_are_one_line_and_leave_nothing(checkpoint_factory, tmp_path, capsys, args, says):
+    capsys.readouterr()
+    assert pack_cli.main([str(checkpoint_factory(MODEL)), str(tmp_path / "packed"), "--quiet", *args]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and says in _one_error_line(err)
     assert list(tmp_path.iterdir()) == []
 
 

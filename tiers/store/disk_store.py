@@ -2,9 +2,10 @@
 
 Owns: file handles, size checks, checksum verification, the optional pool of chunk-reader threads
 and page-cache eviction (``drop_page_cache``). Invariants: every blob is checked against its
-manifest CRC32 the first time it is read (``verify="first"``, the default) or on every read
-(``"always"``), after it has landed in the destination buffer, so the bytes checked are the bytes
-used; a missing file, a short file or a mismatch raises ``IntegrityError`` naming the file and the
+manifest CRC32 the first time it is read (``verify="first"``, the default), again on its next
+read once its file changed (its inode, size, mtime or ctime differs from when it was last
+checked), or on every read (``"always"``), after it has landed in the destination buffer, so the
+bytes checked are the bytes used; a missing file, a short file or a mismatch raises ``IntegrityError`` naming the file and the
 expert, never returns wrong weights. A chunked read returns (or raises) only after every one of
 its chunks has finished, so no pool thread writes into ``out`` once ``read`` is back.
 """
@@ -52,6 +53,13 @@ def drop_page_cache(paths: Iterable[str | Path]) -> bool:
     return ok
 
 
+def _stamp(fd: int) -> tuple[int, ...]:
+    """What changes when an open file's content may have: its inode, size, mtime and ctime.
+    The ctime cannot be set back by a user (``touch`` sets only the mtime and atime)."""
+    st = os.fstat(fd)
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     """preadv until ``view`` is full or the file ends; the bytes read."""
     got = 0
@@ -94,7 +102,8 @@ class DiskStore:
         self.verify = verify
         self.read_threads = read_threads
         self.chunk_bytes = chunk_bytes
-        self._verified: set[tuple[ExpertKey, str]] = set()
+        self._verified: dict[str, set[tuple[ExpertKey, str]]] = {}  # file -> blobs checked since it last changed
+        self._stamps: dict[str, tuple[int, ...]] = {}  # file -> its stamp (_stamp) when last seen
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()  # reads may come from reader threads
         needed: dict[str, tuple[int, ExpertKey]] = {}  # file -> (required size, an expert in it)
@@ -131,7 +140,16 @@ class DiskStore:
             if fd is None:
                 fd = os.open(self.manifest.root / rel, os.O_RDONLY)
                 self._fds[rel] = fd
+                self._stamps[rel] = _stamp(fd)
+                self._verified[rel] = set()
             return fd
+
+    def _seen(self, rel: str, stamp: tuple[int, ...]) -> None:
+        """Record ``rel``'s ``stamp``; if it is new, the file's blobs count as unchecked."""
+        with self._lock:
+            if self._stamps[rel] != stamp:
+                self._stamps[rel] = stamp
+                self._verified[rel] = set()
 
     def read(self, key: ExpertKey, precision: str, out: torch.Tensor) -> BlobRef:
         """Read one blob into the uint8 CPU tensor ``out`` (at least ``nbytes`` long)."""
@@ -143,14 +161,24 @@ class DiskStore:
         assert dst.device.type == "cpu" and dst.dtype == torch.uint8 and dst.is_contiguous()
         view = memoryview(dst.numpy())
         tag = (key, precision)
-        check = self.verify == "always" or tag not in self._verified
         try:
             fd = self._fd(ref.file)
         except FileNotFoundError:
             raise IntegrityError(f"expert file {str(path)!r} is missing ({key}, {precision})") from None
+        with self._lock:
+            seen = self._stamps[ref.file]
+            check = self.verify == "always" or tag not in self._verified[ref.file]
         got, crc = self._read_span(fd, view, ref.offset, check, 0)
         if got != ref.nbytes:
             raise IntegrityError(f"expert file {str(path)!r} is truncated: read {got} of {ref.nbytes} bytes for {key} ({precision})")
+        # Stamped after the read: a write this read saw had updated the ctime before its bytes were
+        # visible (the kernel stamps a write, and a write through a mapping, before it lands). One
+        # fstat, about a microsecond against the blob's read.
+        stamp = _stamp(fd)
+        if stamp != seen:
+            self._seen(ref.file, stamp)
+            if not check:  # the file changed since this blob was checked: check what was read
+                check, crc = True, zlib.crc32(view)
         if check:
             if crc != ref.crc32:
                 raise IntegrityError(
@@ -158,7 +186,8 @@ class DiskStore:
                     f"crc32 {crc:#010x}, manifest says {ref.crc32:#010x}; the file is corrupt, re-pack it"
                 )
             with self._lock:
-                self._verified.add(tag)
+                if self._stamps[ref.file] == stamp:  # checked against the file as it is now
+                    self._verified[ref.file].add(tag)
         return ref
 
     def _read_span(self, fd: int, view: memoryview, offset: int, check: bool, crc: int) -> tuple[int, int]:
