@@ -7,6 +7,7 @@ with exactly one copy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -52,6 +53,7 @@ class BlobLayout:
     shapes: tuple[tuple[str, tuple[int, ...]], ...]
     fields: tuple[PlacedField, ...]
     nbytes: int
+    transposed: bool = False  # the layout's weights are stored [in, out]: per-output-row scales run along columns
 
     @cached_property
     def tensor_spans(self) -> tuple[tuple[str, int, int], ...]:
@@ -78,7 +80,7 @@ class BlobLayout:
             w = tensors[name]
             if tuple(w.shape) != shape:
                 raise ValueError(f"expert tensor {name!r} has shape {tuple(w.shape)}, layout says {shape}")
-            q = scheme.quantize(w)
+            q = scheme.quantize(w, **_columns(scheme, self.transposed, shape))
             for pf in self.fields:
                 if pf.tensor == name:
                     src = q.data[pf.spec.name].contiguous().view(-1).view(torch.uint8)
@@ -86,7 +88,9 @@ class BlobLayout:
             if not scheme.lossless:
                 back = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
                 scheme.dequantize(q, out=back)
-                sqnr[name] = quant.sqnr_db(w, back)
+                db = quant.sqnr_db(w, back)
+                if db != math.inf:  # a tensor the scheme keeps exact (a bias) records none
+                    sqnr[name] = db
         return blob, sqnr
 
     def views(self, blob: torch.Tensor) -> dict[str, QuantizedTensor]:
@@ -122,14 +126,20 @@ class BlobLayout:
         }
 
 
+def _columns(scheme, transposed: bool, shape: tuple[int, ...]) -> dict:
+    """The keyword that makes a scheme with per-output-row scales scale a transposed weight
+    (``[in, out]``) per column; none for other schemes, tensors or layouts."""
+    return {"columns": True} if transposed and len(shape) >= 2 and getattr(scheme, "per_output_row", False) else {}
+
+
 def blob_layout(layout: ExpertLayout, precision: str) -> BlobLayout:
     scheme = quant.get_scheme(precision)
     placed: list[PlacedField] = []
     offset = 0
     for t in layout.tensors:
-        for spec in scheme.fields(t.shape):
+        for spec in scheme.fields(t.shape, **_columns(scheme, layout.is_transposed, t.shape)):
             offset = align(offset, FIELD_ALIGN)
             placed.append(PlacedField(t.name, spec, offset))
             offset += spec.nbytes
     shapes = tuple((t.name, t.shape) for t in layout.tensors)
-    return BlobLayout(precision, shapes, tuple(placed), offset)
+    return BlobLayout(precision, shapes, tuple(placed), offset, layout.is_transposed)

@@ -18,6 +18,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from transformers.integrations import moe as _moe
+
+# transformers' gate for experts classes without their own, which reads act_fn (None where absent)
+_default_apply_gate = getattr(_moe, "_default_apply_gate", None)
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -169,19 +173,20 @@ def unservable(module: torch.nn.Module) -> str | None:
     ``gate_up_proj`` then the module's ``_apply_gate`` when ``has_gate`` (else ``up_proj`` then
     ``act_fn``), then ``down_proj``; ``<tensor>_bias`` of each when ``has_bias``;
     ``is_transposed`` for the side of each product; ``post_expert_norm`` when
-    ``has_post_expert_norm``. The proxy copies ``has_gate``, ``has_bias``, ``is_transposed``,
-    ``is_concatenated`` and ``act_fn`` from every module, gated or not, so a module without
-    ``act_fn`` would fail at its first call. An expert tensor beyond these would be packed but
-    left out of the computation.
+    ``has_post_expert_norm``. The proxy calls the module's own ``_apply_gate``, bound to it, so a
+    gate of its own (GPT-OSS: interleaved gate and up, clamped SwiGLU) needs no ``act_fn``;
+    transformers' default ``_apply_gate`` and an ungated module read ``act_fn``. An expert tensor
+    beyond these would be packed but left out of the computation.
     """
     if not is_experts_module(module):
         return "it is not an experts module of transformers' use_experts_implementation (no num_experts, has_gate or is_transposed)"
     gated = bool(module.has_gate)
-    if not callable(getattr(module, "act_fn", None)):
-        gate = " (they gate through their own _apply_gate)" if gated else ""
-        return f"its experts have no act_fn{gate}, which Tiers' experts forward reads from every experts module"
-    if gated and not callable(getattr(module, "_apply_gate", None)):
+    gate = getattr(module, "_apply_gate", None)
+    if gated and not callable(gate):
         return "its experts have a gate (has_gate) but no _apply_gate to apply it"
+    if (not gated or getattr(gate, "__func__", None) is _default_apply_gate) and not callable(getattr(module, "act_fn", None)):
+        how = "its gate is transformers' default _apply_gate" if gated else "they have no gate"
+        return f"its experts have no act_fn, which Tiers' experts forward reads where {how}"
     if getattr(module, "has_post_expert_norm", False) and not callable(getattr(module, "post_expert_norm", None)):
         return "its experts end with a norm (has_post_expert_norm) but have no post_expert_norm module"
     up, biased = ("gate_up_proj" if gated else "up_proj"), bool(getattr(module, "has_bias", False))

@@ -2,7 +2,10 @@
 
 bitsandbytes is imported on first use only: the import costs seconds and logs a warning on
 machines without CUDA. On CUDA the kernel writes straight into ``out``; the CPU backend has no
-``out=`` variant, so there the result is copied in.
+``out=`` variant, so there the result is copied in. A block is 256 elements in memory order,
+whichever axis they run along (a transposed weight's blocks run along its output axis: an absmax
+per 256 values is local either way). A tensor of one row (a bias) is kept exact, in bf16
+(``data``), as ``quant.int8`` keeps it.
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ class Blockwise8:
     stacks = False
 
     def fields(self, shape: tuple[int, ...]) -> tuple[FieldSpec, ...]:
+        if len(shape) < 2:  # one row: exact
+            return (FieldSpec("data", torch.bfloat16, tuple(shape)),)
         numel = math.prod(shape)
         return (
             FieldSpec("codes", torch.uint8, (numel,)),
@@ -35,6 +40,8 @@ class Blockwise8:
         )
 
     def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
+        if weight.dim() < 2:
+            return QuantizedTensor(self.name, tuple(weight.shape), {"data": weight.detach().to(torch.bfloat16).contiguous()})
         F = _functional()
         flat = weight.detach().to(torch.float32).contiguous().view(-1)  # [numel]
         codes, state = F.quantize_blockwise(flat, blocksize=BLOCKSIZE)
@@ -49,8 +56,10 @@ class Blockwise8:
         return q
 
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor:
-        F = _functional()
         d = q.data
+        if "data" in d:  # kept exact
+            return out.copy_(d["data"], non_blocking=True)
+        F = _functional()
         if out.device.type == "cuda":
             F.dequantize_blockwise(
                 d["codes"], absmax=d["absmax"], code=d["code"], blocksize=BLOCKSIZE, out=out.view(-1)

@@ -11,8 +11,10 @@ On CUDA ``src`` is page-locked host memory and one Triton launch reads it over P
 SMs: no copy engine, no staging buffer, and no host sync, since the picks never leave the
 device. Elsewhere (and without Triton) ``fetch_reference`` does the same with the schemes' own
 torch operations, so the two agree bit for bit (the tests compare them). Supported encodings:
-``bf16`` (a copy) and ``int8`` (per-row scale, ``q * s`` in fp32 rounded to bf16, as
-``quant.int8`` computes it).
+``bf16`` (a copy) and ``int8`` (per-row or per-column scale, ``q * s`` in fp32 rounded to bf16,
+as ``quant.int8`` computes it; its exact tensors, biases, are bf16 copies). One launch decodes
+up to three tensors of one encoding; an expert of more, or of mixed encodings (an INT8 expert
+with biases), is decoded by one launch per group of them (``DirectExpert.groups``).
 
 Also ``fetch_cached``: the same over a ``SlotCache``, slots that keep what they decoded across
 calls. ``plan`` decides each pick's slot on the device (one program, the picks in order): a
@@ -45,7 +47,12 @@ class DirectTensor:
 
     out: torch.Tensor  # [n_slots, *shape], bf16: slot i is row i
     data: int  # byte offset of the encoded data (bf16 values or int8 codes) within a blob
-    scale: int | None  # byte offset of the fp32 per-row scales (int8), None for bf16
+    scale: int | None  # byte offset of the fp32 scales (int8), None for bf16
+    cols: bool = False  # int8 scales per column (a weight stored [in, out]), else per row
+
+    @property
+    def encoding(self) -> tuple[bool, bool]:
+        return (self.scale is not None, self.cols)
 
 
 class DirectExpert(tuple):
@@ -53,6 +60,26 @@ class DirectExpert(tuple):
     and kept, it also carries the kernel's prepared launch (built at the first launch)."""
 
     launch_plan: object = None
+    _groups: tuple | None = None
+
+    @property
+    def groups(self) -> tuple[DirectExpert, ...]:
+        """The tensors as the kernel's launches take them: those of one encoding together, at most
+        three a launch (one group, ``self``, for an expert that one launch decodes)."""
+        if self._groups is None:
+            by: dict[tuple[bool, bool], list[list[DirectTensor]]] = {}
+            for t in self:
+                runs = by.setdefault(t.encoding, [[]])
+                if len(runs[-1]) == 3:
+                    runs.append([])
+                runs[-1].append(t)
+            runs = [r for rs in by.values() for r in rs]
+            self._groups = (self,) if len(runs) == 1 else tuple(DirectExpert(r) for r in runs)
+        return self._groups
+
+
+def _groups(tensors: tuple[DirectTensor, ...]) -> tuple[tuple[DirectTensor, ...], ...]:
+    return tensors.groups if isinstance(tensors, DirectExpert) else DirectExpert(tensors).groups
 
 
 def supported(precision: str) -> bool:
@@ -81,12 +108,18 @@ def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks
     """See the module docstring. ``src``: uint8 ``[bytes]``; ``starts``: int64 ``[E]``; ``resident``:
     int32 ``[E]`` (-1: not resident); ``picks``: int64 ``[m]``; ``dst``: int32 ``[m]``; ``ids``:
     int64 ``[m]``, written. Runs the kernel when the slabs are on CUDA, else the reference."""
-    if not 1 <= len(tensors) <= 3:
-        raise ValueError(f"direct fetch: an expert of 1 to 3 tensors, got {len(tensors)}")
+    if not tensors:
+        raise ValueError("direct fetch: an expert of no tensors")
     if tensors[0].out.device.type == "cuda" and kernel_available():
-        from .direct_kernel import launch
+        from .direct_kernel import launch, launch_planned
 
-        launch(src, starts, resident, picks, dst, ids, counts, tensors, usage)
+        first, *rest = _groups(tensors)
+        launch(src, starts, resident, picks, dst, ids, counts, first, usage)
+        if rest:  # the other groups decode the same picks: the non-resident ones, into dst
+            m = picks.numel()
+            planned = torch.where(resident[picks] >= 0, -1, dst[:m].to(picks.device, torch.int32, non_blocking=True))  # [m]
+            for g in rest:
+                launch_planned(src, starts, picks, planned, g)
         return ids
     return fetch_reference(src, starts, resident, picks, dst, ids, counts, tensors, usage)
 
@@ -211,12 +244,13 @@ def fetch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, 
                   tensors: tuple[DirectTensor, ...]) -> None:
     """Decode pick ``j``'s expert (``starts[picks[j]]`` in ``src``) into slot ``dst[j]`` of every
     output slab, for each ``j`` with ``dst[j] >= 0`` (``dst`` as ``plan`` leaves it)."""
-    if not 1 <= len(tensors) <= 3:
-        raise ValueError(f"direct fetch: an expert of 1 to 3 tensors, got {len(tensors)}")
+    if not tensors:
+        raise ValueError("direct fetch: an expert of no tensors")
     if tensors[0].out.device.type == "cuda" and kernel_available():
         from .direct_kernel import launch_planned
 
-        launch_planned(src, starts, picks, dst, tensors)
+        for g in _groups(tensors):
+            launch_planned(src, starts, picks, dst, g)
         return
     st = starts.tolist()
     for e, slot in zip(picks.tolist(), dst[: picks.numel()].tolist()):
@@ -235,7 +269,8 @@ def _decode_into(src: torch.Tensor, start: int, slot: int, tensors: tuple[Direct
         else:
             q = src[at : at + n].view(torch.int8).view(shape).to(t.out.device)
             s_at = start + t.scale
-            s = src[s_at : s_at + 4 * (n // shape[-1])].view(torch.float32).view(*shape[:-1], 1).to(t.out.device)
+            s_shape = (*shape[:-2], 1, shape[-1]) if t.cols else (*shape[:-1], 1)
+            s = src[s_at : s_at + 4 * math.prod(s_shape)].view(torch.float32).view(s_shape).to(t.out.device)
             torch.mul(q, s, out=t.out[slot])
 
 

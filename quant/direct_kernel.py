@@ -23,12 +23,15 @@ WARPS = 8
 
 
 @triton.jit
-def _block(src, data, scale, out, b, n, cols, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+def _block(src, data, scale, out, b, n, cols, QUANT: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr):
     i = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
     if QUANT:
         q = tl.load((src + data).to(tl.pointer_type(tl.int8)) + i, mask=m, other=0)
-        s = tl.load((src + scale).to(tl.pointer_type(tl.float32)) + i // cols, mask=m, other=0.0)
+        if COLS:  # a scale per column: element i's is i % cols
+            s = tl.load((src + scale).to(tl.pointer_type(tl.float32)) + i % cols, mask=m, other=0.0)
+        else:  # a scale per row
+            s = tl.load((src + scale).to(tl.pointer_type(tl.float32)) + i // cols, mask=m, other=0.0)
         v = (q.to(tl.float32) * s).to(tl.bfloat16)
     else:
         v = tl.load((src + data).to(tl.pointer_type(tl.bfloat16)) + i, mask=m, other=0.0)
@@ -40,7 +43,7 @@ def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
            out0, d0, s0, n0, c0, nb0,
            out1, d1, s1, n1, c1, nb1,
            out2, d2, s2, n2, c2,
-           QUANT: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr, BLOCK: tl.constexpr):
+           QUANT: tl.constexpr, COLS: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr, BLOCK: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
     e = tl.load(picks + j)
@@ -59,11 +62,11 @@ def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
     if go:
         base = src + tl.load(starts + e)
         if b < nb0:
-            _block(base, d0, s0, out0 + slot * n0, b, n0, c0, QUANT, BLOCK)
+            _block(base, d0, s0, out0 + slot * n0, b, n0, c0, QUANT, COLS, BLOCK)
         elif b < nb0 + nb1:
-            _block(base, d1, s1, out1 + slot * n1, b - nb0, n1, c1, QUANT, BLOCK)
+            _block(base, d1, s1, out1 + slot * n1, b - nb0, n1, c1, QUANT, COLS, BLOCK)
         else:
-            _block(base, d2, s2, out2 + slot * n2, b - nb0 - nb1, n2, c2, QUANT, BLOCK)
+            _block(base, d2, s2, out2 + slot * n2, b - nb0 - nb1, n2, c2, QUANT, COLS, BLOCK)
 
 
 class _Plan:
@@ -80,10 +83,13 @@ class _Plan:
             self.fixed += [t.out, t.data, t.scale or 0, n, t.out.shape[-1]] + ([nb] if i < 2 else [])
         if self.blocks > MAX_BLOCKS:
             raise ValueError(f"direct fetch: an expert of {self.blocks} blocks of {BLOCK} elements, at most {MAX_BLOCKS} fit one launch")
-        self.quant = tensors[0].scale is not None
-        self.relaunch = {usage: triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=usage, PLANNED=False, BLOCK=BLOCK, num_warps=WARPS))
-                         for usage in (False, True)}
-        self.relaunch["planned"] = triton_relauncher(_fetch, dict(QUANT=self.quant, USAGE=False, PLANNED=True, BLOCK=BLOCK, num_warps=WARPS))
+        encodings = {t.encoding for t in tensors}
+        if len(encodings) != 1:
+            raise ValueError(f"direct fetch: one launch decodes tensors of one encoding, got {sorted(encodings)}")
+        self.quant, cols = tensors[0].encoding
+        kw = dict(QUANT=self.quant, COLS=cols, BLOCK=BLOCK, num_warps=WARPS)
+        self.relaunch = {usage: triton_relauncher(_fetch, dict(kw, USAGE=usage, PLANNED=False)) for usage in (False, True)}
+        self.relaunch["planned"] = triton_relauncher(_fetch, dict(kw, USAGE=False, PLANNED=True))
 
 
 def _plan_of(tensors) -> _Plan:

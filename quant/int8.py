@@ -1,9 +1,13 @@
 """Symmetric per-row INT8: one fp32 scale per output row (absmax / 127).
 
+A weight stored ``[out, in]`` gets a scale per row (``scale`` ``[out]``); one stored transposed,
+``[in, out]`` (``columns=True``), a scale per column (``scale`` ``[1, out]``), so the scales
+follow the output rows either way. A tensor of one row (a bias) is kept exact, in bf16
+(``data``): one scale for a whole vector would save next to nothing and cost accuracy.
 Dequantize is a broadcast multiply into ``out`` (int8 * fp32 -> bf16, in fp32, rounded once),
 which runs on whichever device the fields sit on: on CUDA with Triton present through
-``quant.int8_kernel`` (the same arithmetic, several times the memory rate), elsewhere
-``torch.mul``. Rows of zeros get scale 1 so that no NaN can appear.
+``quant.int8_kernel`` (the same arithmetic, several times the memory rate; per-row scales only),
+elsewhere ``torch.mul``. Rows (columns) of zeros get scale 1 so that no NaN can appear.
 """
 from __future__ import annotations
 
@@ -24,29 +28,40 @@ class Int8PerRow:
     name = "int8"
     lossless = False
     stacks = True
+    per_output_row = True  # takes ``columns=True`` for weights stored [in, out]
 
-    def fields(self, shape: tuple[int, ...]) -> tuple[FieldSpec, ...]:
+    def fields(self, shape: tuple[int, ...], *, columns: bool = False) -> tuple[FieldSpec, ...]:
         shape = tuple(shape)
+        if len(shape) < 2:  # one row: exact
+            return (FieldSpec("data", torch.bfloat16, shape),)
+        scale = (*shape[:-2], 1, shape[-1]) if columns else shape[:-1]
         return (
             FieldSpec("qdata", torch.int8, shape),
-            FieldSpec("scale", torch.float32, shape[:-1]),
+            FieldSpec("scale", torch.float32, scale),
         )
 
-    def quantize(self, weight: torch.Tensor) -> QuantizedTensor:
+    def quantize(self, weight: torch.Tensor, *, columns: bool = False) -> QuantizedTensor:
+        if weight.dim() < 2:
+            return QuantizedTensor(self.name, tuple(weight.shape), {"data": weight.detach().to(torch.bfloat16).contiguous()})
         w = weight.detach().to(torch.float32, copy=True)  # [*rows, C], the one full-size temporary
-        absmax = w.abs().amax(dim=-1)  # [*rows]
-        scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))  # [*rows]
-        qdata = w.div_(scale.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)  # [*rows, C]
+        absmax = w.abs().amax(dim=-2 if columns else -1, keepdim=True)  # [*rows, 1] or [..., 1, C]
+        scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+        qdata = w.div_(scale).round_().clamp_(-127, 127).to(torch.int8)  # [*rows, C]
+        scale = scale if columns else scale.squeeze(-1)  # [..., 1, C] or [*rows]
         return QuantizedTensor(self.name, tuple(weight.shape), {"qdata": qdata.contiguous(), "scale": scale.contiguous()})
 
     def prepare(self, q: QuantizedTensor) -> QuantizedTensor:
-        """The scale as ``[*rows, 1]``, broadcast as it is: one launch per dequantization."""
+        """The scale as ``[*rows, 1]`` (or ``[..., 1, C]``), broadcast as it is: one launch per dequantization."""
+        if "data" in q.data:
+            return q
         scale = q.data["scale"]
         if scale.dim() == q.data["qdata"].dim():
             return q
         return QuantizedTensor(q.scheme, q.shape, {"qdata": q.data["qdata"], "scale": scale.unsqueeze(-1)})
 
     def dequantize(self, q: QuantizedTensor, *, out: torch.Tensor) -> torch.Tensor:
+        if "data" in q.data:  # kept exact
+            return out.copy_(q.data["data"], non_blocking=True)
         qdata, scale = q.data["qdata"], q.data["scale"]
         if scale.dim() < qdata.dim():  # not prepared
             scale = scale.unsqueeze(-1)

@@ -12,7 +12,8 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 HAS_CUDA = torch.cuda.is_available()
 
-# Five architectures whose experts go through transformers' experts registry.
+# Six architectures whose experts go through transformers' experts registry (GPT-OSS: transposed
+# weights, biases, its own clamped SwiGLU gate over interleaved gate and up columns).
 # 8 experts, top-2, 3 layers: small enough for CI, big enough that every tier holds experts.
 COMMON = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=256, max_position_embeddings=128, num_experts_per_tok=2)
@@ -25,11 +26,12 @@ MODELS = {
     "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=48, intermediate_size=96, first_k_dense_replace=1,
                         n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                         v_head_dim=8, n_group=1, topk_group=1, num_hidden_layers=4, num_key_value_heads=4),
+    "gpt_oss": dict(num_local_experts=8, intermediate_size=48, head_dim=16),
 }
 
-# A family transformers drives through its experts registry that Tiers cannot serve yet
-# (loader.layout.unservable says why; pack refuses it). Not in MODELS: nothing packs it.
-UNSERVABLE = {"gpt_oss": dict(num_local_experts=8, intermediate_size=48)}
+# Families transformers drives through its experts registry that Tiers cannot serve yet
+# (loader.layout.unservable says why; pack refuses them). Not in MODELS: nothing packs them. None today.
+UNSERVABLE: dict[str, dict] = {}
 
 
 def devices() -> list:

@@ -1,5 +1,5 @@
 """loader.layout.unservable: what Tiers' experts forwards need from an experts module, on the
-families that have it, on GPT-OSS that lacks it, and on toy modules that each lack one thing."""
+families that have it (GPT-OSS through its own gate, without act_fn), and on toy modules that each lack one thing."""
 from __future__ import annotations
 
 import pytest
@@ -22,20 +22,19 @@ def test_served_families_are_servable(model_type):
     assert {name: unservable(mod) for name, mod in experts.values()} == {name: None for name, _ in experts.values()}
 
 
-def test_gpt_oss_experts_are_unservable():
+def test_gpt_oss_experts_are_servable_through_their_own_gate():
+    """GPT-OSS: no act_fn, its own _apply_gate, transposed weights with biases; served."""
     config = tiny_config("gpt_oss")
     assert isinstance(config, GptOssConfig)
     experts = find_experts_modules(build_skeleton(config))
     assert len(experts) == config.num_hidden_layers  # transformers drives them through its experts registry
     for _, mod in experts.values():
         assert type(mod).__name__ == "GptOssExperts" and not hasattr(mod, "act_fn")
-        assert unservable(mod) == (
-            "its experts have no act_fn (they gate through their own _apply_gate), which Tiers' experts forward reads from "
-            "every experts module"
-        )
+        assert mod.has_gate and mod.has_bias and mod.is_transposed and not mod.is_concatenated
+        assert unservable(mod) is None
 
 
-def _toy(*, gated=True, bias=False, act=True, extra=False, post_norm=None, **flags) -> torch.nn.Module:
+def _toy(*, gated=True, bias=False, act=True, extra=False, post_norm=None, own_gate=False, **flags) -> torch.nn.Module:
     """An experts module as transformers' decorator wraps one, with only what is asked for."""
 
     class ToyExperts(torch.nn.Module):
@@ -58,6 +57,9 @@ def _toy(*, gated=True, bias=False, act=True, extra=False, post_norm=None, **fla
         def forward(self, hidden_states, top_k_index, top_k_weights):
             raise NotImplementedError
 
+    if own_gate:
+        ToyExperts._apply_gate = lambda self, gate_up: gate_up[..., ::2] * gate_up[..., 1::2]
+
     cls = use_experts_implementation(ToyExperts, has_gate=gated, has_bias=flags.pop("has_bias", bias),
                                      has_post_expert_norm=post_norm is not None, **flags)
     return cls(None)
@@ -70,13 +72,15 @@ def _toy(*, gated=True, bias=False, act=True, extra=False, post_norm=None, **fla
         (dict(gated=False), None),
         (dict(bias=True, is_transposed=True), None),
         (dict(post_norm=True), None),
-        (dict(gated=False, act=False), "its experts have no act_fn, which Tiers' experts forward"),
+        (dict(gated=False, act=False), "its experts have no act_fn, which Tiers' experts forward reads where they have no gate"),
+        (dict(act=False), "its experts have no act_fn, which Tiers' experts forward reads where its gate is transformers' default"),
+        (dict(act=False, own_gate=True), None),
         (dict(bias=True, has_bias=False), "its expert tensors ['down_proj_bias', 'gate_up_proj_bias'] are none the forwards read"),
         (dict(has_bias=True), "its experts have no ['down_proj_bias', 'gate_up_proj_bias'], which the forwards read (has_gate=True, has_bias=True)"),
         (dict(extra=True), "its expert tensors ['down_scale'] are none the forwards read, so they would be left out"),
         (dict(post_norm=False), "its experts end with a norm (has_post_expert_norm) but have no post_expert_norm module"),
     ],
-    ids=["gated", "ungated", "biased_transposed", "post_norm", "no_act_fn", "undeclared_bias", "missing_bias", "extra_tensor",
+    ids=["gated", "ungated", "biased_transposed", "post_norm", "no_act_fn", "default_gate_no_act_fn", "own_gate_no_act_fn", "undeclared_bias", "missing_bias", "extra_tensor",
          "no_post_norm_module"],
 )
 def test_toy_experts(kw, reason):

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from tiers import quant
-from conftest import MODELS, save_tiny, tiny_config
+from conftest import MODELS, tiny_config
 from tiers.loader.destination import StaleDir
 from tiers.loader.layout import ExpertKey, find_experts_modules
 from tiers.loader.pack import pack
@@ -69,7 +69,9 @@ def check_packed(src: Path, dst: Path, precisions=PRECISIONS) -> None:
         assert entry.layout.num_experts == mod.num_experts == len(entry.experts)
         raw_entry = next(e for e in doc["layers"] if e["layer"] == L)
         assert sorted(x["expert"] for x in raw_entry["experts"]) == list(range(mod.num_experts))
-        assert {t.name for t in entry.layout.tensors} == {"gate_up_proj", "down_proj"}
+        want = {"gate_up_proj", "down_proj"} | ({"gate_up_proj_bias", "down_proj_bias"} if mod.has_bias else set())
+        assert {t.name for t in entry.layout.tensors} == want
+        assert (entry.layout.has_bias, entry.layout.is_transposed) == (mod.has_bias, mod.is_transposed)
 
     for L, (name, mod) in ref_experts.items():
         for e in range(mod.num_experts):
@@ -80,15 +82,17 @@ def check_packed(src: Path, dst: Path, precisions=PRECISIONS) -> None:
                 raw = _read_bytes(dst, r.file, r.offset, r.nbytes)
                 assert zlib.crc32(raw) == r.crc32, f"{key} {p}: crc32 differs from the manifest"
                 got = _decode(manifest, key, p, raw)
-                want_gu, want_d = mod.gate_up_proj[e].detach(), mod.down_proj[e].detach()
+                want = {t: getattr(mod, t)[e].detach() for t in got}
+                weights = ("gate_up_proj", "down_proj")
+                for t in got:
+                    if p == "bf16" or t not in weights:  # biases are kept exact in every precision
+                        assert torch.equal(got[t], want[t]), f"{key} {p}: {t} differs"
                 if p == "bf16":
                     assert r.sqnr_db is None
-                    assert torch.equal(got["gate_up_proj"], want_gu), f"{key}: gate_up_proj differs"
-                    assert torch.equal(got["down_proj"], want_d), f"{key}: down_proj differs"
                 else:
                     assert r.sqnr_db is not None and r.sqnr_db > 30, f"{key} {p}: sqnr {r.sqnr_db}"
-                    # The recorded SQNR is the real one of the stored blob (min over the tensors).
-                    real = min(quant.sqnr_db(want_gu, got["gate_up_proj"]), quant.sqnr_db(want_d, got["down_proj"]))
+                    # The recorded SQNR is the real one of the stored blob (min over the weights).
+                    real = min(quant.sqnr_db(want[t], got[t]) for t in weights)
                     assert abs(real - r.sqnr_db) < 0.01
 
     # Expert files are valid safetensors; each tensor expert.{e} is exactly the blob at (offset, stride).
@@ -110,7 +114,7 @@ def check_packed(src: Path, dst: Path, precisions=PRECISIONS) -> None:
                     assert t[: refs[p].nbytes].numpy().tobytes() == raw
 
     # Dense weights: every non-expert weight, under the model's own names, equal to the model's.
-    expert_params = {f"{name}.{t}" for name, _ in ref_experts.values() for t in ("gate_up_proj", "down_proj")}
+    expert_params = {f"{name}.{t.name}" for L, (name, _) in ref_experts.items() for t in manifest.layers[L].layout.tensors}
     ref_sd = {k: v for k, v in ref.state_dict().items() if k not in expert_params}
     dense: dict[str, torch.Tensor] = {}
     for fname, info in manifest.dense_files.items():
@@ -127,7 +131,7 @@ def check_packed(src: Path, dst: Path, precisions=PRECISIONS) -> None:
     assert (dst / "config.json").is_file()
 
 
-# -- per-expert checkpoints, every architecture ----------------------------------------------
+# -- every architecture's own checkpoint (per-expert keys; GPT-OSS's fused) ------------------
 @pytest.mark.parametrize("model_type", list(MODELS))
 def test_pack_per_expert_checkpoint(model_type, checkpoint_factory, packed_factory):
     src = checkpoint_factory(model_type)
@@ -136,6 +140,8 @@ def test_pack_per_expert_checkpoint(model_type, checkpoint_factory, packed_facto
     if model_type == "mixtral":
         assert any(".block_sparse_moe.experts.0.w1.weight" in k for k in keys)
         assert any(".block_sparse_moe.experts.0.w3.weight" in k for k in keys)
+    elif model_type == "gpt_oss":  # fused, transposed, with biases
+        assert any(k.endswith(".mlp.experts.gate_up_proj") for k in keys) and any(k.endswith(".mlp.experts.down_proj_bias") for k in keys)
     else:
         assert any(".experts.0.gate_proj.weight" in k for k in keys)
         assert any(".experts.0.up_proj.weight" in k for k in keys)
@@ -363,43 +369,3 @@ def test_stale_staging_is_left_when_the_pack_is_refused(checkpoint_factory, tmp_
     with pytest.raises(FileExistsError):
         pack(checkpoint_factory("qwen3_moe"), dst, progress=False)
     assert dead.is_dir()
-
-
-# -- families Tiers cannot serve -------------------------------------------------------------
-GPT_OSS_REFUSAL = (
-    "gpt_oss (GptOssExperts): its experts have no act_fn (they gate through their own _apply_gate), which Tiers' experts "
-    "forward reads from every experts module; Tiers cannot serve this family yet"
-)
-
-
-@pytest.fixture(scope="module")
-def gpt_oss_checkpoint(tmp_path_factory) -> Path:
-    return save_tiny("gpt_oss", tmp_path_factory.mktemp("hf-gpt_oss"))
-
-
-def test_gpt_oss_is_refused_before_anything_is_written(gpt_oss_checkpoint, tmp_path):
-    assert json.loads((gpt_oss_checkpoint / "config.json").read_text())["model_type"] == "gpt_oss"
-    stale = _staging(tmp_path, f".packed.tmp-{DEAD_PID}", {"x": 10})
-    with pytest.raises(ValueError) as e:
-        pack(gpt_oss_checkpoint, tmp_path / "packed", overwrite=True, progress=False)
-    assert str(e.value) == GPT_OSS_REFUSAL
-    assert [p.name for p in tmp_path.iterdir()] == [stale.name]
-
-
-def test_gpt_oss_refusal_names_the_failure_a_pack_would_meet(gpt_oss_checkpoint, tmp_path, monkeypatch):
-    """The reason is real, and load refuses too: packed past pack's check, GPT-OSS is refused at
-    load with the same reason; let past load's check as well, its first forward fails on the
-    act_fn the reason names. (When the forwards stop needing it, this fails: update
-    ``unservable`` with them.)"""
-    import tiers
-    import tiers.api
-
-    monkeypatch.setattr(pack_module, "unservable", lambda module: None)
-    dst = tmp_path / "packed"
-    pack(gpt_oss_checkpoint, dst, progress=False)
-    with pytest.raises(ValueError, match=r"gpt_oss \(GptOssExperts\): its experts have no act_fn"):
-        tiers.load(dst, device="cpu", progress=False)
-    monkeypatch.setattr(tiers.api, "unservable", lambda module: None)
-    model = tiers.load(dst, device="cpu", progress=False)
-    with pytest.raises(AttributeError, match="'GptOssExperts' object has no attribute 'act_fn'"):
-        model(torch.tensor([[1, 2, 3]]))

@@ -317,3 +317,56 @@ def test_plan_kernel_matches_reference_call_after_call():
             for name in ("owner", "stamp", "clock"):
                 assert torch.equal(getattr(caches["cpu"], name), getattr(caches["cuda"], name).cpu()), f"{name} call {call}"
         assert torch.equal(usage["cpu"], usage["cuda"].cpu())
+
+
+# -- a transposed layout with biases (GPT-OSS): four tensors, two encodings, per-column scales -----
+def _transposed_biased(precision: str, experts: int, device):
+    """``experts`` blobs of a GPT-OSS-shaped layout (``gate_up_proj`` [H, 2I], its bias, ``down_proj``
+    [I, H], its bias) back to back in a buffer, the slabs they decode into, and their ``DirectExpert``
+    as the staging builds it (``blob.fields``)."""
+    from tiers.loader.blob import blob_layout
+    from tiers.loader.layout import ExpertLayout, ExpertTensor
+    from tiers.quant.direct import DirectExpert
+    from tiers.transfer.staging import _direct_tensor
+
+    H, I = 64, 40
+    layout = ExpertLayout(experts, (ExpertTensor("gate_up_proj", (H, 2 * I)), ExpertTensor("gate_up_proj_bias", (2 * I,)),
+                                    ExpertTensor("down_proj", (I, H)), ExpertTensor("down_proj_bias", (H,))),
+                          has_bias=True, is_transposed=True, is_concatenated=False)
+    blob = blob_layout(layout, precision)
+    g = torch.Generator().manual_seed(11)
+    blobs = [blob.encode({t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in layout.tensors})[0] for _ in range(experts)]
+    buf = torch.cat(blobs)
+    slabs = {t.name: torch.full((10, *t.shape), SENTINEL, dtype=torch.bfloat16, device=device) for t in layout.tensors}
+    tensors = DirectExpert(_direct_tensor(slabs[name], [f for f in blob.fields if f.tensor == name]) for name, _ in blob.shapes)
+    return blob, blobs, buf, slabs, tensors
+
+
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_transposed_biased_experts_decode_exactly(precision, device):
+    """Each miss's slot holds exactly what the blob's own dequantization gives (INT8 per-column
+    scales on the weights, the biases exact), through ``fetch`` and ``fetch_cached``; on CUDA the
+    kernel decodes the expert in one launch per run of one encoding."""
+    blob, blobs, buf, slabs, tensors = _transposed_biased(precision, 5, device)
+    if precision == "int8":
+        assert [(t.scale is not None, t.cols) for t in tensors] == [(True, True), (False, False), (True, True), (False, False)]
+    groups = [[next(i for i, u in enumerate(tensors) if u is t) for t in g] for g in tensors.groups]
+    assert groups == ([[0, 2], [1, 3]] if precision == "int8" else [[0, 1, 2], [3]])  # weights, biases; three a launch
+    src = buf.pin_memory() if device.type == "cuda" else buf
+    starts = torch.tensor([e * blob.stride for e in range(5)], device=device)
+    resident = torch.tensor([-1, 0, -1, -1, -1], dtype=torch.int32, device=device)
+    picks = torch.tensor([3, 1, 0], device=device)
+    ids, counts = torch.empty(3, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+    fetch(src, starts, resident, picks, torch.tensor([6, 7, 8], dtype=torch.int32, device=device), ids, counts, tensors)
+    assert ids.tolist() == [6, 0, 8] and counts.tolist() == [1, 2]
+    cache = SlotCache.new([2, 3], rows=1, width=5, device=device)
+    ids2 = torch.empty(2, dtype=torch.int64, device=device)
+    fetch_cached(src, starts, resident, torch.tensor([4, 2], device=device), cache, 0, ids2, torch.zeros(3, dtype=torch.int64, device=device),
+                 tensors)
+    for e, slot in [(3, 6), (0, 8), *zip([4, 2], ids2.tolist())]:
+        want = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in blob.shapes}
+        blob.dequantize_into(blobs[e], want)
+        for name, slab in slabs.items():
+            assert torch.equal(slab[slot].cpu(), want[name]), f"expert {e} {name}"
+    for slab in slabs.values():
+        assert torch.all(slab[[0, 1, 4, 5, 7, 9]] == SENTINEL)

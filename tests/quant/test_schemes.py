@@ -73,6 +73,39 @@ def test_int8_extremes_hit_plus_minus_127():
     assert torch.equal(q.data["qdata"].abs().amax(dim=-1), torch.full((16,), 127, dtype=torch.int8))
 
 
+def test_int8_columns_scale_each_output_column():
+    """A weight stored transposed, ``[in, out]`` (``columns=True``): one scale per column, so one
+    output 1000x larger than the others does not crush the others' precision, and each column's
+    largest code is +-127. A per-row scale here (the mutant) fails both."""
+    s = quant.get_scheme("int8")
+    w = gaussian((512, 64), seed=4)  # [in, out]
+    w[:, 0] *= 1000
+    q = s.quantize(w, columns=True)
+    assert q.data["scale"].shape == (1, 64) and tuple(f.shape for f in s.fields((512, 64), columns=True)) == ((512, 64), (1, 64))
+    assert torch.equal(q.data["qdata"].abs().amax(dim=0), torch.full((64,), 127, dtype=torch.int8))
+    out = torch.empty_like(w)
+    s.dequantize(s.prepare(q), out=out)
+    for c in (1, 17, 63):
+        assert quant.sqnr_db(w[:, c], out[:, c]) >= INT8_MIN_SQNR_DB - 3, c
+    stacked = s.quantize(torch.stack([w, -w]), columns=True)  # [2, in, out]: scales [2, 1, out]
+    back = torch.empty(2, 512, 64, dtype=torch.bfloat16)
+    s.dequantize(stacked, out=back)
+    assert stacked.data["scale"].shape == (2, 1, 64) and torch.equal(back[0], out) and torch.equal(back[1], -out)
+
+
+@pytest.mark.parametrize("name", ["int8", "bnb8"])
+def test_a_tensor_of_one_row_is_kept_exact(name):
+    """Biases ``[n]`` stay bf16 under the lossy schemes: bit for bit, in one declared field."""
+    if name == "bnb8":
+        pytest.importorskip("bitsandbytes")
+    s = quant.get_scheme(name)
+    b = gaussian((96,), seed=3)
+    assert [(f.name, f.dtype, f.shape) for f in s.fields((96,))] == [("data", torch.bfloat16, (96,))]
+    out = torch.full((96,), float("nan"), dtype=torch.bfloat16)
+    s.dequantize(s.prepare(s.quantize(b)), out=out)
+    assert torch.equal(out.view(torch.int16), b.view(torch.int16))
+
+
 @pytest.mark.parametrize("shape", [(6, 32), (3, 4, 32)])
 def test_int8_zero_rows_give_zeros_not_nan(shape):
     w = gaussian(shape, seed=6)
@@ -145,7 +178,7 @@ def test_prepared_and_stacked_dequantize_match_one_at_a_time(name, device):
 
 # -- fields(shape) -----------------------------------------------------------------------------
 @pytest.mark.parametrize("name", LIGHT)
-@pytest.mark.parametrize("shape", [(96, 64), (64, 48), (2, 3, 5), (1, 1)])
+@pytest.mark.parametrize("shape", [(96, 64), (64, 48), (2, 3, 5), (1, 1), (7,)])
 def test_fields_match_the_quantized_tensors(name, shape):
     s = quant.get_scheme(name)
     w = gaussian(shape, seed=8)

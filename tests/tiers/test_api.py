@@ -99,16 +99,17 @@ PATH_CASES = {
 }
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # gpt_oss: transposed weights, biases, its own gate
 @pytest.mark.parametrize("path", list(PATH_CASES))
-def test_each_path_is_reached_and_bit_identical(path, device, checkpoint_factory, packed_factory, monkeypatch):
+def test_each_path_is_reached_and_bit_identical(path, model_type, device, checkpoint_factory, packed_factory, monkeypatch):
     """The dispatch sends the calls each case is built for to that path (a spy on the path
     object's ``run``), and the prefill logits and every greedy decode step are bit-identical to
     the untiered model's. ``direct``: on the CPU the decode switch and the direct path are switched
     on, the reference kernel standing in for the GPU's, against an untiered model whose decode runs
     batched_mm as on a GPU."""
     cfg, (batch, length), gpu_decode = PATH_CASES[path]
-    ref = reference(checkpoint_factory("qwen3_moe"), device, batched_decode=gpu_decode)
-    model = tiers.load(packed_factory("qwen3_moe"), _no_graphs(cfg), device=device, progress=False)
+    ref = reference(checkpoint_factory(model_type), device, batched_decode=gpu_decode)
+    model = tiers.load(packed_factory(model_type), _no_graphs(cfg), device=device, progress=False)
     mgr = manager_of(model)
     if gpu_decode and device.type == "cpu":
         mgr.batched_decode = True
@@ -227,7 +228,7 @@ def test_one_token_decode_reads_its_two_picks_in_place(device, checkpoint_factor
 
 
 # -- INT8 within its bound -----------------------------------------------------------------------------
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_int8_tiers_within_bound(model_type, device, checkpoint_factory, packed_factory):
     ref = reference(checkpoint_factory(model_type), device)
     model = tiers.load(packed_factory(model_type), INT8_TIERS, device=device, progress=False)
@@ -242,7 +243,7 @@ def test_int8_tiers_within_bound(model_type, device, checkpoint_factory, packed_
     assert kl <= INT8_KL_MAX, f"KL {kl:.2e} per token above {INT8_KL_MAX}"
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_int8_expert_outputs_within_bound(model_type, device, checkpoint_factory, packed_factory):
     """Routing held fixed: the same hidden states and top-k through the bf16 experts and the int8 tiers."""
     ref = reference(checkpoint_factory(model_type), device)
@@ -251,7 +252,7 @@ def test_int8_expert_outputs_within_bound(model_type, device, checkpoint_factory
     for layer, (name, mod) in find_experts_modules(model).items():
         ref_mod = ref.get_submodule(name)
         k = model.config.num_experts_per_tok
-        x = torch.randn(64, mod.hidden_dim, generator=g).to(device, torch.bfloat16)  # [T, H]
+        x = torch.randn(64, ref_mod.down_proj.shape[-1 if mod.is_transposed else -2], generator=g).to(device, torch.bfloat16)  # [T, H]
         idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:k] for _ in range(64)]).to(device)  # [T, k]
         w = torch.softmax(torch.randn(64, k, generator=g), -1).to(device, torch.bfloat16)  # [T, k]
         with torch.no_grad():

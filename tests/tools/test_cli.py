@@ -351,12 +351,15 @@ def test_pack_main_bad_arguments_are_one_line_and_leave_nothing(checkpoint_facto
     assert list(tmp_path.iterdir()) == []
 
 
-def test_pack_main_unservable_family_is_one_line(tmp_path, capsys):
-    src = save_tiny("gpt_oss", tmp_path / "hf")
+def test_pack_main_unservable_family_is_one_line(tmp_path, capsys, monkeypatch):
+    """A family ``unservable`` refuses (none today: a stand-in reason on a served one) is one line."""
+
+    src = save_tiny("qwen3_moe", tmp_path / "hf")
+    monkeypatch.setattr(importlib.import_module("tiers.loader.pack"), "unservable", lambda module: "its experts have no act_fn")
     capsys.readouterr()
     assert pack_cli.main([str(src), str(tmp_path / "packed"), "--quiet"]) == 2
     msg = _one_error_line(capsys.readouterr().err)
-    assert msg.startswith("gpt_oss (GptOssExperts): its experts have no act_fn") and msg.endswith("Tiers cannot serve this family yet")
+    assert msg == "qwen3_moe (Qwen3MoeExperts): its experts have no act_fn; Tiers cannot serve this family yet"
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 

@@ -68,12 +68,14 @@ def test_demo_model_without_config_is_an_argument_error(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
-def test_demo_on_a_family_pack_refuses_is_one_line(temp_root, tmp_path, capsys):
+def test_demo_on_a_family_pack_refuses_is_one_line(temp_root, tmp_path, capsys, monkeypatch):
+    """A family pack refuses (none today: a stand-in reason on a served one) is one line."""
     from conftest import save_tiny
 
-    src = save_tiny("gpt_oss", tmp_path / "gpt_oss")
+    src = save_tiny("qwen3_moe", tmp_path / "qwen3_moe")
+    monkeypatch.setattr(importlib.import_module("tiers.loader.pack"), "unservable", lambda module: "its experts have no act_fn")
     capsys.readouterr()
     assert demo.main(["--device", "cpu", "--model", str(src)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("tiers-demo: error: gpt_oss (GptOssExperts):") and err.count("\n") == 1
+    assert err.startswith("tiers-demo: error: qwen3_moe (Qwen3MoeExperts): its experts have no act_fn") and err.count("\n") == 1
     assert list(temp_root.iterdir()) == []

@@ -36,8 +36,10 @@ class SlotExperts:
     WINDOWS = 4096  # window views kept at most (a long call's buffers reuse a handful; decode's vary)
 
     def __init__(self, module: torch.nn.Module, slabs: dict[str, torch.Tensor], n_slots: int):
-        for name in ("has_gate", "has_bias", "is_transposed", "is_concatenated", "act_fn"):
+        for name in ("has_gate", "has_bias", "is_transposed", "is_concatenated"):
             setattr(self, name, getattr(module, name))
+        if hasattr(module, "act_fn"):  # an ungated module's activation; a module with its own gate may have none
+            self.act_fn = module.act_fn
         self.has_post_expert_norm = getattr(module, "has_post_expert_norm", False)
         if self.has_post_expert_norm:
             self.post_expert_norm = module.post_expert_norm

@@ -164,9 +164,7 @@ class Staging:
         if key not in self._direct:
             tensors = None
             if direct.supported(blob.precision):
-                offset = {(f.tensor, f.spec.name): f.offset for f in blob.fields}
-                data, scale = direct.FIELDS[blob.precision]
-                tensors = direct.DirectExpert(direct.DirectTensor(pool.slabs[name], offset[(name, data)], scale and offset[(name, scale)])
+                tensors = direct.DirectExpert(_direct_tensor(pool.slabs[name], [f for f in blob.fields if f.tensor == name])
                                               for name, _ in blob.shapes)
                 if not direct.fits(tensors):
                     tensors = None
@@ -474,3 +472,15 @@ class Staging:
                 b.last = end
         if self.timing and b.start is not None:
             self.stats.timed("stage", b.start, b.last)
+
+
+def _direct_tensor(out: torch.Tensor, fields: list) -> direct.DirectTensor:
+    """How ``quant.direct`` decodes one tensor's placed fields into its slab ``out``: int8 codes and
+    their scales (per column where the scales run along the last axis), or a bf16 copy (bf16
+    experts, and the tensors INT8 keeps exact: biases)."""
+    by = {f.spec.name: f for f in fields}
+    if "qdata" not in by:
+        return direct.DirectTensor(out, by["data"].offset, None)
+    scale = by["scale"].spec
+    cols = len(scale.shape) == len(by["qdata"].spec.shape) and scale.shape[-2:-1] == (1,)
+    return direct.DirectTensor(out, by["qdata"].offset, by["scale"].offset, cols)
