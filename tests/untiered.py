@@ -88,7 +88,8 @@ def layer_calls(model, tokens: int, seed: int = 3):
     k = model.config.num_experts_per_tok
     dev = next(model.parameters()).device
     for layer, (name, mod) in find_experts_modules(model).items():
-        x = torch.randn(tokens, mod.hidden_dim, generator=g).to(dev, torch.bfloat16)  # [T, H]
+        hidden = mod.down_proj.shape[-1 if mod.is_transposed else -2]  # down_proj is [E, H, I], or [E, I, H] transposed
+        x = torch.randn(tokens, hidden, generator=g).to(dev, torch.bfloat16)  # [T, H]
         idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:k] for _ in range(tokens)]).to(dev)  # [T, k]
         w = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(dev, torch.bfloat16)  # [T, k]
         yield layer, name, mod, x, idx, w

@@ -190,17 +190,18 @@ class _Picked:
 
 
 def picked(px: SlotExperts, slots: list[int]) -> SlotExperts | None:
-    """``px`` with each weight slab seen as just ``slots``, in order, when they are two or fewer,
-    distinct and ascending (else None): one strided view per slab, so transformers' batched_mm
+    """``px`` with each weight (and bias) slab seen as just ``slots``, in order, when they are two
+    or fewer, distinct and ascending (else None): one strided view per slab, so transformers' batched_mm
     forward runs on the slots in place instead of first gathering every pick's weights
     (Mixtral-8x7B's two picks: 672 MiB of bf16 per layer call). A slab's slots are equally
     shaped and strided, so each pick's GEMM reads the operand layout a gathered copy has."""
-    if not 1 <= len(slots) <= 2 or (len(slots) == 2 and slots[1] <= slots[0]) or px.has_bias:
+    if not 1 <= len(slots) <= 2 or (len(slots) == 2 and slots[1] <= slots[0]):
         return None
     out = SlotExperts.__new__(SlotExperts)
     out.__dict__.update(px.__dict__)
     lo, step = slots[0], (slots[-1] - slots[0]) or 1
-    for name in ("gate_up_proj" if px.has_gate else "up_proj", "down_proj"):
+    names = ("gate_up_proj" if px.has_gate else "up_proj", "down_proj")
+    for name in names + tuple(n + "_bias" for n in names if px.has_bias):
         slab = getattr(px, name)
         view = slab.as_strided((len(slots), *slab.shape[1:]), (step * slab.stride(0), *slab.stride()[1:]),
                                slab.storage_offset() + lo * slab.stride(0))

@@ -238,7 +238,7 @@ def _load(packed, tiers_: dict, device, graphs: bool):
     return model, mgr
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
 def test_decode_graphs_match_eager_decode_through_rebalances(model_type, device, checkpoint_factory, packed_factory):
     """bf16 tiers, direct decode and the rebalancer swapping experts: generate with decode graphs
     gives exactly the tokens and logits of generate without them and of the untiered model (its

@@ -28,6 +28,8 @@ from tiers.api import manager_of
 from tiers.graphs import step_graphs
 from tiers.graphs.graph_cache import HostGraph
 from tiers.graphs.step_graphs import StepGraphs
+from tiers.loader.pack import pack
+from conftest import COMMON, save_tiny
 
 NEW = 12
 GEN = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -80,11 +82,30 @@ def assert_close_to(ref, out) -> None:
     assert statistics.median(sqnr) >= 40.0, f"logits SQNR per decode step: {[round(x, 1) for x in sqnr]}"
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_graph_steps_equal_the_same_steps_op_by_op(model_type, device, packed_factory):
+@pytest.fixture(scope="module")
+def packed_bf16(packed_factory, tmp_path_factory):
+    """model_type -> a bf16 pack; GPT-OSS's with every layer full attention (step graphs take
+    full-attention caches only; ``test_sliding_window_layers_keep_steps_op_by_op``)."""
+    made = {}
+
+    def get(model_type: str):
+        if model_type != "gpt_oss":
+            return packed_factory(model_type, ("bf16",))
+        if model_type not in made:
+            d = tmp_path_factory.mktemp("gpt_oss-full")
+            src = save_tiny("gpt_oss", d / "hf", layer_types=["full_attention"] * COMMON["num_hidden_layers"])
+            pack(src, d / "packed", precisions=("bf16",), progress=False)
+            made[model_type] = d / "packed"
+        return made[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_graph_steps_equal_the_same_steps_op_by_op(model_type, device, packed_bf16):
     """Every decode step but the first runs from a graph (captured once); its logits equal the same
     static-cache steps run op by op, bit for bit, and the token's host work is done once per step."""
-    packed = packed_factory(model_type, ("bf16",))
+    packed = packed_bf16(model_type)
     ids = _prompt(device)
     model, mgr = _load(packed, device)
     out = model.generate(ids, **GEN)
@@ -106,14 +127,29 @@ def test_graph_steps_equal_the_same_steps_op_by_op(model_type, device, packed_fa
     assert tiers.stats(plain).hits == s.hits and sum(s.hits.values()) > layers * (NEW - 1) * 2
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
-def test_graph_steps_close_to_decode_on_the_dynamic_cache(model_type, device, packed_factory):
-    packed = packed_factory(model_type, ("bf16",))
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_graph_steps_close_to_decode_on_the_dynamic_cache(model_type, device, packed_bf16):
+    packed = packed_bf16(model_type)
     ids = _prompt(device)
     ref = _load(packed, device, steps=False)[0].generate(ids, **GEN)
     model, mgr = _load(packed, device)
     assert_close_to(ref, model.generate(ids, **GEN))
     assert tiers.stats(model).step_graphs["steps"] == NEW - 1
+
+
+def test_sliding_window_layers_keep_steps_op_by_op(device, packed_factory):
+    """GPT-OSS as configured (sliding-window layers between full-attention ones): generate's cache
+    has sliding layers, which a step graph's static cache does not mirror, so every decode step
+    runs op by op, counted under "cache", exactly as with step graphs off."""
+    packed = packed_factory("gpt_oss", ("bf16",))
+    ids = _prompt(device)
+    model, _ = _load(packed, device)
+    out = model.generate(ids, **GEN)
+    s = tiers.stats(model).step_graphs
+    assert s["steps"] == 0 and s["eager"] == {"cache": NEW - 1}, s
+    plain = _load(packed, device, steps=False)[0].generate(ids, **GEN)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.logits, plain.logits))
 
 
 def test_returned_cache_holds_every_position(device, packed_factory):

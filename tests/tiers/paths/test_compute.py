@@ -60,6 +60,7 @@ def _slot_proxy(model_type: str, device, n_slots: int = 6, seed: int = 0):
     module = next(iter(find_experts_modules(model).values()))[1]
     g = torch.Generator().manual_seed(seed)
     names = ["gate_up_proj" if module.has_gate else "up_proj", "down_proj"]
+    names += [n + "_bias" for n in names if module.has_bias]
     slabs = {n: torch.randn((n_slots, *getattr(module, n).shape[1:]), generator=g).to(torch.bfloat16).to(device) for n in names}
     return compute.proxy(module, slabs, n_slots), slabs, module
 
@@ -78,7 +79,7 @@ class _NoUploads:
         raise AssertionError("one token's picks must not be uploaded")
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_picked_views_are_the_slots_in_place_and_compute_what_the_gather_does(model_type, device):
     """``picked``: one or two ascending slots become strided views of the slabs (the slots' own
     storage, equal to the gathered weights); anything else is refused. transformers' batched_mm

@@ -91,7 +91,7 @@ def _check_misses(monkeypatch, mgr, packed, precision: str, device) -> list[int]
     return checked
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_direct_decode_matches_untiered_decode(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
     ref = _ref(checkpoint_factory, model_type, device)
     model, mgr = _load(packed_factory(model_type), DIRECT_BF16, device)

@@ -47,7 +47,7 @@ def _staged(mgr) -> list[int]:
 
 
 # -- exact outputs ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_streamed_calls_are_bit_identical_to_grouped_mm(model_type, device, checkpoint_factory, packed_factory, monkeypatch):
     """bf16 tiers, every expert hot or warm: each layer call of 64 tokens waits for its routing and
     streams (more misses than half the slots); against transformers' grouped_mm on the same inputs,

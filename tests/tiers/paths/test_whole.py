@@ -54,7 +54,8 @@ def _reference_module(ref, name: str, mgr, layer: int, packed, precision: str, d
 
 
 # -- exact, without a sync, counted once settled ----------------------------------------------------------
-@pytest.mark.parametrize("model_type,precision", [("qwen3_moe", "bf16"), ("qwen3_moe", "int8"), ("mixtral", "bf16")])
+@pytest.mark.parametrize("model_type,precision", [("qwen3_moe", "bf16"), ("qwen3_moe", "int8"), ("mixtral", "bf16"),
+                                                         ("gpt_oss", "bf16"), ("gpt_oss", "int8")])
 def test_whole_layer_calls_run_without_a_sync_and_count_when_settled(model_type, precision, device, checkpoint_factory, packed_factory,
                                                                        monkeypatch):
     """Calls long enough to route to every expert read their layer's every warm expert with no
