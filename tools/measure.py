@@ -215,6 +215,13 @@ def copy_sweep(device: torch.device, sizes: list[int], total: int = 512 << 20) -
 
 # -- the naive lazy arm: an experts implementation that moves each hit expert with .to() ---------
 
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """One expert's projection as its eager forward computes it: ``x @ w`` for weights stored
+    ``[in, out]`` (GPT-OSS), ``linear(x, w)`` for ``[out, in]``; plus the bias where there is one."""
+    out = x @ w if transposed else torch.nn.functional.linear(x, w)
+    return out if bias is None else out + bias
+
+
 def lazy_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     final = torch.zeros_like(hidden_states)  # [T, H]
     with torch.no_grad():
@@ -226,9 +233,9 @@ def lazy_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         gate_up = self._lazy["gate_up_proj"][e].to(hidden_states.device)  # pageable -> GPU, synchronous
         down = self._lazy["down_proj"][e].to(hidden_states.device)
         pos, tok = torch.where(mask[e])
-        h = torch.nn.functional.linear(hidden_states[tok], gate_up)
+        h = _linear(hidden_states[tok], gate_up, self.gate_up_proj_bias[e] if self.has_bias else None, self.is_transposed)
         h = self._apply_gate(h)
-        h = torch.nn.functional.linear(h, down) * top_k_weights[tok, pos, None]
+        h = _linear(h, down, self.down_proj_bias[e] if self.has_bias else None, self.is_transposed) * top_k_weights[tok, pos, None]
         final.index_add_(0, tok, h.to(final.dtype))
     return final
 

@@ -126,12 +126,24 @@ def test_baseline_is_the_faster_all_gpu_measurement_of_the_same_routing():
     assert bench_bounds.baseline({"arms": {}}, "tiers_25_int8") == {}
 
 
-def test_lazy_arm_computes_what_eager_computes():
-    model = measure.build("mixtral", dict(measure.TINY["mixtral"]), torch.device("cpu"))
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])  # gpt_oss: weights [in, out], biases
+def test_lazy_arm_computes_what_eager_computes(model_type):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    if model_type == "mixtral":
+        model = measure.build("mixtral", dict(measure.TINY["mixtral"]), torch.device("cpu"))
+    else:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.bfloat16)
     model.set_experts_implementation("eager")
     _, mod = next(iter(measure.expert_modules(model).values()))
+    with torch.no_grad():
+        for p in mod.parameters():  # biases too (initialized to zeros)
+            p.normal_(0.0, 0.08)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, mod.hidden_dim, generator=g).bfloat16()
+    x = torch.randn(6, mod.down_proj.shape[-1 if mod.is_transposed else -2], generator=g).bfloat16()
     idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:2] for _ in range(6)])
     w = torch.rand(6, 2, generator=g).bfloat16()
     with torch.no_grad():
