@@ -181,11 +181,13 @@ def test_direct_counts_resident_decoded_and_cached_picks(device, packed_factory,
     assert d_bytes == d_cpu * mgr.manifest.layers[0].blobs["bf16"].nbytes
 
 
-def test_direct_int8_misses_hold_the_decoded_blob(device, packed_factory, monkeypatch):
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_direct_int8_misses_hold_the_decoded_blob(model_type, device, packed_factory, monkeypatch):
     """INT8 warm tier: after a direct call, each missed pick's slot holds exactly what the scheme
-    decodes from the expert's blob."""
+    decodes from the expert's blob (GPT-OSS: weights scaled per column and exact biases, two
+    encodings in one expert: on CUDA one kernel launch per encoding)."""
     cfg = {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "int8"}, "nvme": {"precision": "int8"}}
-    packed = packed_factory("qwen3_moe")
+    packed = packed_factory(model_type)
     model, mgr = _load(packed, cfg, device)
     checked = _check_misses(monkeypatch, mgr, packed, "int8", device)
     model.generate(prompt(device, batch=1), **GEN)
