@@ -7,6 +7,7 @@ with exactly one copy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -70,7 +71,7 @@ class BlobLayout:
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Quantize one expert's tensors into a fresh uint8 CPU blob of ``stride`` bytes; also the SQNR (dB)
-        per tensor. Quantization runs on the tensors' device (a GPU makes large packs much faster)."""
+        per tensor the encoding changed. Quantization runs on the tensors' device (a GPU makes large packs much faster)."""
         scheme = quant.get_scheme(self.precision)
         blob = torch.zeros(self.stride, dtype=torch.uint8)  # [stride]
         sqnr: dict[str, float] = {}
@@ -86,7 +87,9 @@ class BlobLayout:
             if not scheme.lossless:
                 back = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
                 scheme.dequantize(q, out=back)
-                sqnr[name] = quant.sqnr_db(w, back)
+                db = quant.sqnr_db(w, back)
+                if math.isfinite(db):  # an exact encoding (mxfp4 of an MXFP4 source) records none, as bf16 does
+                    sqnr[name] = db
         return blob, sqnr
 
     def views(self, blob: torch.Tensor) -> dict[str, QuantizedTensor]:

@@ -34,6 +34,7 @@ from .lock import hold
 from .packed import MANIFEST, file_crc32, manifest_json, routing_prior
 from .skeleton import build_skeleton, key_renamer
 from .source import SourceCheckpoint
+from .source_formats import check_precisions
 from .swap import claim, exists_error
 
 DEFAULT_PRECISIONS = ("bf16", "int8")
@@ -260,6 +261,7 @@ def pack(
     if os.path.lexists(dst) and not overwrite:  # early, before reading the source; claim checks again under the lock
         raise exists_error(dst)
     source = SourceCheckpoint(src_path)
+    check_precisions(precisions, source)  # a precision the source's format cannot give (mxfp4 needs MXFP4)
     config = AutoConfig.from_pretrained(src_path)
     model = build_skeleton(config)
     plan = _Plan(*_plan(source, model))
