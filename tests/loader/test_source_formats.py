@@ -177,6 +177,24 @@ def test_each_pair_is_decoded_once_one_tensor_at_a_time(fp8_pair, mxfp4_pair, tm
     assert sorted(calls) == sorted(v[0].numel() for v in experts.values() for _ in range(v.shape[0]))
 
 
+def test_pairs_split_across_shards_read_decoded(fp8_pair, tmp_path):
+    """A weight and its weight_scale_inv in different shards (through the index) read as one tensor."""
+    quantized, twin = fp8_pair
+    tensors = safetensors.torch.load_file(quantized / "model.safetensors")
+    dst = _write(quantized, tmp_path / "sharded", {}, None)
+    (dst / "model.safetensors").unlink()
+    shards = {"a.safetensors": {k: v for k, v in tensors.items() if not k.endswith("_scale_inv")},
+              "b.safetensors": {k: v for k, v in tensors.items() if k.endswith("_scale_inv")}}
+    for name, part in shards.items():
+        safetensors.torch.save_file(part, dst / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    source, plain = SourceCheckpoint(dst), SourceCheckpoint(twin)
+    key = "model.layers.2.mlp.experts.5.down_proj.weight"
+    assert source.key_to_file[key] == "a.safetensors" and key + "_scale_inv" not in source.key_to_file
+    assert torch.equal(_bits(source.get(key)), _bits(plain.get(key)))
+
+
 @pytest.mark.parametrize("damage, says", [
     (lambda t: t.update({"model.layers.1.mlp.experts.3.up_proj.weight_scale_inv": torch.ones(2, 1)}),
      "FP8 pair 'model.layers.1.mlp.experts.3.up_proj.weight' (F8_E4M3 [48, 64], in 'model.safetensors') and "
@@ -337,6 +355,25 @@ def test_mxfp4_tiers_stage_the_checkpoints_values(mxfp4_pair, mxfp4_packed, devi
         checked += 1
     assert checked == len(p.hot) + 4
     mgr.close()
+
+
+def test_mxfp4_blobs_dequantize_stacked(mxfp4_pair, mxfp4_packed):
+    """Several experts' blobs side by side (as staging stacks small lossy experts in transit rows)
+    dequantize in one call into consecutive slots, each as it would alone."""
+    twin, m = SourceCheckpoint(mxfp4_pair[1]), read_manifest(mxfp4_packed)
+    entry, experts = m.layers[1], [6, 0, 3]
+    blob_layout = entry.blobs["mxfp4"]
+    rows = torch.zeros((len(experts), blob_layout.stride), dtype=torch.uint8)
+    for i, e in enumerate(experts):
+        ref = entry.experts[e]["mxfp4"]
+        with open(mxfp4_packed / ref.file, "rb") as f:
+            f.seek(ref.offset)
+            rows[i, : ref.nbytes] = torch.frombuffer(bytearray(f.read(ref.nbytes)), dtype=torch.uint8)
+    out = {t.name: torch.full((len(experts), *t.shape), float("nan"), dtype=torch.bfloat16) for t in entry.layout.tensors}
+    blob_layout.dequantize_into(rows, out)
+    for name, got in out.items():
+        for i, e in enumerate(experts):
+            assert torch.equal(_bits(got[i]), _bits(twin.get_expert(f"{entry.module}.{name}", e))), (name, e)
 
 
 @pytest.mark.xfail(reason=NOT_SERVABLE, raises=ValueError, strict=True)
