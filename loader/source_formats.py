@@ -4,8 +4,9 @@ Owns: finding the pairs among a checkpoint's tensor names (checked against their
 dtypes, shapes, the FP8 block size of config.json's ``quantization_config``), and reading
 each pair, through a shard handle, as one bf16 tensor under its plain name:
 
-- MXFP4 (gpt-oss): ``X_blocks`` uint8 ``[*lead, N, G, 16]`` + ``X_scales`` uint8 ``[*lead, N, G]``
-  -> ``X`` ``[*lead, G*32, N]``, the experts module's layout (``quant.mxfp4``);
+- MXFP4 (gpt-oss's experts): ``X_blocks`` uint8 ``[E, N, G, 16]`` + ``X_scales`` uint8 ``[E, N, G]``
+  -> ``X`` ``[E, G*32, N]``, the experts module's transposed layout (``quant.mxfp4``); other
+  ranks are refused, since only fused experts tensors are known to take that layout;
 - block-scaled FP8 (DeepSeek-V3): ``X.weight`` float8_e4m3fn + ``X.weight_scale_inv`` fp32
   -> ``X.weight`` (``quant.fp8``).
 
@@ -102,7 +103,7 @@ class _Slice:
         return list(self.pair.shape)
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        if not isinstance(index, int) or len(self.pair.shape) < 3:
+        if not isinstance(index, int) or len(self.pair.shape) < 3:  # pack slices fused tensors only
             raise TypeError(f"{self.pair.format} tensor {self.pair.parts[0]!r}: only one expert's slice [int] of a fused tensor reads decoded")
         p = self.pair
         return p.decode(*(self.handle._read(part, file, index) for part, file in zip(p.parts, p.files)))
@@ -164,8 +165,9 @@ def _check(fmt: str, first: str, second: str, key_to_file, metas, block) -> Pair
     files = (key_to_file[first], key_to_file[second])
     where = f"{first!r} ({d1} {list(s1)}, in {files[0]!r}) and {second!r} ({d2} {list(s2)}, in {files[1]!r})"
     if fmt == MXFP4:
-        if d1 != "U8" or d2 != "U8" or len(s1) < 3 or s1[-1] != mxfp4.BLOCK // 2 or s1[:-1] != s2:
-            raise ValueError(f"MXFP4 pair {where}: expected uint8 blocks [..., N, G, 16] and uint8 scales [..., N, G]")
+        if d1 != "U8" or d2 != "U8" or len(s1) < 4 or s1[-1] != mxfp4.BLOCK // 2 or s1[:-1] != s2:
+            raise ValueError(f"MXFP4 pair {where}: expected a fused experts tensor's uint8 blocks [E, N, G, 16] and uint8 "
+                             f"scales [E, N, G]")
         *lead, n, g, _ = s1
         return Pair(MXFP4, (first, second), files, (*lead, g * mxfp4.BLOCK, n))
     if d1 != "F8_E4M3" or d2 != "F32" or len(s1) < 2 or s2 != fp8.grid(s1, block):

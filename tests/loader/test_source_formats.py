@@ -390,3 +390,17 @@ def test_mxfp4_model_serves_logits_like_transformers(mxfp4_pair, tmp_path):
     ref.set_experts_implementation("grouped_mm")
     ids = torch.tensor([[3, 17, 42, 7, 99, 5]])
     assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_mxfp4_blocks_that_are_not_a_fused_experts_tensor_are_refused(mxfp4_pair, tmp_path):
+    quantized, _ = mxfp4_pair
+    tensors = safetensors.torch.load_file(quantized / "model.safetensors")
+    key = "model.layers.0.mlp.experts.down_proj"
+    tensors[key + "_blocks"], tensors[key + "_scales"] = tensors[key + "_blocks"][0], tensors[key + "_scales"][0]
+    bad = _write(quantized, tmp_path / "bad", tensors, None)
+    with pytest.raises(ValueError) as e:
+        SourceCheckpoint(bad)
+    assert str(e.value) == (
+        f"MXFP4 pair '{key}_blocks' (U8 [64, 2, 16], in 'model.safetensors') and '{key}_scales' (U8 [64, 2], in "
+        "'model.safetensors'): expected a fused experts tensor's uint8 blocks [E, N, G, 16] and uint8 scales [E, N, G]"
+    )

@@ -1,4 +1,9 @@
-"""quant.fp8: block-scaled FP8 (DeepSeek-V3's weight + weight_scale_inv) decoded as transformers decodes it."""
+"""quant.fp8: block-scaled FP8 (DeepSeek-V3's weight + weight_scale_inv) decoded as transformers decodes it.
+
+The reference is ``Fp8Dequantize``, what transformers runs to load such a checkpoint dequantized:
+fp32 products rounded once to bf16, as DeepSeek-V3's own dequantization computes. (transformers'
+``_dequantize_fp8_weight``, used by its backward pass, multiplies in bf16 with the scale rounded
+to bf16 first, and differs in the last bit for about half the values.)"""
 from __future__ import annotations
 
 import pytest
