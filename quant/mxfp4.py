@@ -20,7 +20,8 @@ Two uses:
 
 ``encode`` is the plain rounding encoder (nearest value, ties to the smaller magnitude; the
 smallest exponent that holds the block's largest magnitude): it makes test checkpoints, and
-re-encodes decoded weights without loss.
+re-encodes decoded weights without loss (those of scale bytes up to 252: above, a value can
+overflow bf16 to inf, in transformers' decoding too, and the precision refuses it).
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(pairs bf16 [256, 2]: a byte's low and high nibble values; scales bf16 [256]: 2**(s - 127),
-    NaN for 255), built once per device. Every entry is exact in bf16 (2**-127 is a bf16 subnormal)."""
+    NaN for 255), built once per device, at its first dequantization there (a copy to the device: not
+    inside a CUDA graph capture). Every entry is exact in bf16 (2**-127 is a bf16 subnormal)."""
     tables = _TABLES.get(device)
     if tables is None:
         fp4 = torch.tensor(FP4_VALUES, dtype=torch.float64)
