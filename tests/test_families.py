@@ -1,0 +1,86 @@
+"""Every MoE family of the installed transformers whose experts go through its experts registry:
+packed, loaded through the three tiers in bf16, and bit-identical to transformers' own model.
+
+The families are found in the installed transformers (``families.registry_families``), not
+listed here. Each tiny model is saved with ``save_pretrained``, packed, loaded with every tier in
+use (gpu, cpu and nvme each hold experts, bf16 everywhere), and its batch-1 prefill logits and
+greedy decode steps are compared with ``torch.equal`` against the untiered model running
+transformers' default experts implementation. A family Tiers cannot serve is refused at pack,
+naming the family and the reason. README's supported-models block is generated from this
+classification (``python tests/families.py --write-readme`` rewrites it).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import families
+import tiers
+from tiers.loader.layout import find_experts_modules, unservable
+from tiers.loader.pack import pack
+from untiered import assert_bit_identical, prompt, reference
+
+BF16_THREE_TIERS = {"tiers": {"gpu": {"fraction": 0.25}, "cpu": {"fraction": 0.4, "precision": "bf16"},
+                              "nvme": {"precision": "bf16"}}}
+GEN = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+
+FAMILIES = list(families.registry_families())
+
+
+def _param(model_type: str):
+    why = families.NOT_SERVED.get(model_type)
+    return pytest.param(model_type, marks=pytest.mark.xfail(reason=why, strict=True)) if why else model_type
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    """model_type -> its tiny model's save_pretrained directory; cached for the session."""
+    cache = {}
+
+    def make(model_type: str):
+        if model_type not in cache:
+            path = tmp_path_factory.mktemp(f"hf-{model_type}")
+            families.tiny_model(model_type).save_pretrained(path)
+            cache[model_type] = path
+        return cache[model_type]
+
+    return make
+
+
+def test_the_families_come_from_the_installed_transformers():
+    """The enumeration finds the families the tests of the five main ones use, and nothing that
+    lacks a registry experts class."""
+    found = set(FAMILIES)
+    assert {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"} <= found
+    assert "llama" not in found and "switch_transformers" not in found
+    assert len(found) >= 40, sorted(found)
+
+
+@pytest.mark.parametrize("model_type", [_param(m) for m in FAMILIES])
+def test_family_is_bit_identical_through_three_tiers(model_type, family_checkpoint, tmp_path):
+    src = family_checkpoint(model_type)
+    pack(src, tmp_path / "packed", precisions=["bf16"], progress=False)
+    model = tiers.load(tmp_path / "packed", BF16_THREE_TIERS, device="cpu", progress=False)
+    held = tiers.stats(model).residency
+    assert all(held[tier]["experts"] > 0 for tier in ("gpu", "cpu", "nvme")), held
+    assert_bit_identical(reference(src, "cpu"), model, prompt("cpu", 1, families.SEQ), GEN)
+
+
+@pytest.mark.parametrize("model_type", sorted(families.NOT_SERVED))
+def test_family_not_served_is_refused_at_pack_naming_it(model_type, family_checkpoint, tmp_path):
+    """Pack refuses a family Tiers cannot serve before it writes anything, naming the family and
+    the reason ``unservable`` gives."""
+    model = families.tiny_model(model_type)
+    reasons = {unservable(m) for _, m in find_experts_modules(model).values()} - {None}
+    if not reasons:
+        pytest.skip(f"{model_type}: no experts module is refused (it fails later: {families.NOT_SERVED[model_type]})")
+    with pytest.raises(ValueError, match=rf"^{model_type} \(\w+\): .*Tiers cannot serve this family yet") as e:
+        pack(family_checkpoint(model_type), tmp_path / "packed", progress=False)
+    assert any(r in str(e.value) for r in reasons)
+    assert not (tmp_path / "packed").exists()
+
+
+def test_readme_lists_the_served_families():
+    """README's supported-models block is what this classification generates."""
+    have, want = families.readme_block(), families.supported_block()
+    assert have == want, f"README's supported-models block is stale; run `python tests/families.py --write-readme`. Expected:\n{want}"
