@@ -149,6 +149,10 @@ def _plan(src: SourceCheckpoint, model: torch.nn.Module) -> _Plan:
         mod, _, leaf = group.target.rpartition(".")
         layer = next((L for L, (name, _) in experts.items() if name == mod), None)
         if layer is not None and leaf in {t.name for t in layouts[layer].tensors}:
+            patterns = [p for p, _ in group.sources]
+            if len(set(patterns)) != len(patterns):  # one key per expert: only the projections pack knows are fused
+                raise ValueError(f"{model.config.model_type}: experts tensor {group.target!r} is made from per-expert keys "
+                                 f"{[k for _, k in group.sources][:3]}, whose projection names pack does not know")
             sources[layer].converted[leaf] = group
             sources[layer].runner = (keymap, model)
             continue
