@@ -23,18 +23,26 @@ VOCAB = 256
 EXPERTS = 8
 TOP_K = 2
 
-# name -> value where the key exists in a family's config (and the default is larger, for sizes)
+# config key -> its tiny value, applied where a family's config has the key and its default is
+# larger or unset (None); sub-configs (text_config, ...) are shrunk the same way
 SIZES = {
+    # widths
     "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "moe_shared_expert_intermediate_size": 32, "expert_intermediate_size": 32, "ffn_hidden_size": 96,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB,
-    "max_position_embeddings": 256, "q_lora_rank": 16, "kv_lora_rank": 16, "o_lora_rank": 16, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16,
-    "index_topk": 64, "n_group": 1, "num_expert_group": 1, "linear_head_dim": 16, "linear_num_heads": 4, "topk_group": 1, "n_shared_experts": 1, "hc_lowrank": 16,
-    "ple_embed_dim": 64, "ngram_vocab_size_base": 512, "split_ngram_parts": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4, "mamba_d_state": 8, "mamba_dt_rank": 8, "ssm_state_size": 8, "mamba_num_heads": 8,
-    "mamba_head_dim": 16, "n_groups": 1, "router_hidden_size": 32, "kv_channels": 16, "chunk_size": 16,
-    "num_nextn_predict_layers": 0, "mamba_n_heads": 8, "mamba_d_head": 16,
+    "router_hidden_size": 32, "ple_embed_dim": 64, "hc_lowrank": 16,
+    # attention, latent attention and its indexers
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "kv_channels": 16, "q_lora_rank": 16,
+    "kv_lora_rank": 16, "o_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "qk_head_dim": 16, "index_n_heads": 2, "index_head_dim": 16, "index_topk": 64,
+    # linear attention and state-space layers
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 16, "linear_num_heads": 4, "mamba_d_state": 8, "mamba_dt_rank": 8, "ssm_state_size": 8,
+    "mamba_num_heads": 8, "mamba_head_dim": 16, "mamba_n_heads": 8, "mamba_d_head": 16, "n_groups": 1, "chunk_size": 16,
+    # routing groups, shared experts, extra prediction layers
+    "n_group": 1, "num_expert_group": 1, "topk_group": 1, "n_shared_experts": 1, "num_nextn_predict_layers": 0,
+    # vocabularies and positions
+    "vocab_size": VOCAB, "unpadded_vocab_size": VOCAB, "ngram_vocab_size_base": 512, "split_ngram_parts": 4,
+    "max_position_embeddings": 256,
 }
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "top_k_experts", "moe_topk")
@@ -48,6 +56,7 @@ OVERRIDES: dict[str, dict] = {
     "gemma4_text": _GEMMA4_MOE,
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # the default has no layer types
     "granitemoehybrid": {"layer_types": ["linear_attention", "attention"]},  # the default has no attention layer
+    # one mamba layer, then one attention layer with experts (the default's first attention layer is the fifth)
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     # the default's indexed attention has no indexer sizes
     "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 64,
@@ -90,6 +99,14 @@ def registry_families() -> dict[str, str]:
         cls = getattr(transformers, cls_name)
         out.setdefault(cls_name, cls.config_class.model_type if cls.config_class.model_type in CONFIG_MAPPING else model_type)
     return {mt: name for name, mt in sorted(out.items(), key=lambda kv: kv[1])}
+
+
+def registry_modules() -> list[str]:
+    """Every model directory of the installed transformers whose modeling code decorates an experts
+    class with ``use_experts_implementation``, causal-LM head or not (read from the sources, no import)."""
+    root = Path(transformers.__file__).parent / "models"
+    return sorted(p.parent.name for p in root.glob("*/modeling_*.py")
+                  if "@use_experts_implementation" in p.read_text(encoding="utf-8"))
 
 
 def _shrink(d: dict, layers: int) -> dict:
@@ -173,9 +190,12 @@ def supported_block() -> str:
     """README's supported-models block: the served families and the rest, with the reason."""
     fams = registry_families()
     served = [m for m in fams if m not in NOT_SERVED]
+    modules = len(set(registry_modules()))
     lines = [BEGIN, f"{len(served)} of the {len(fams)} causal-LM families of transformers {transformers.__version__} whose "
              "experts go through its experts registry are served, each tested bit-identical in bf16 through the three tiers "
-             "(`tests/test_families.py`):", ""]
+             f"(`tests/test_families.py`). Families are counted by causal-LM class; {modules} model directories of "
+             "transformers use the registry, some only in models without a causal-LM head (vision-language, OCR, "
+             "audio), which are not counted:", ""]
     lines += [", ".join(f"`{m}`" for m in served), "", "Not served yet:", ""]
     lines += [f"- `{m}`: {why}" for m, why in sorted(NOT_SERVED.items())]
     return "\n".join(lines + [END])
