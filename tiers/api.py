@@ -114,7 +114,8 @@ def _model_config(manifest: Manifest, carried: dict[str, bytes]) -> PretrainedCo
         raise ValueError(f"{str(manifest.root)!r}: model family {manifest.model_type!r} is not known to transformers "
                          f"{transformers.__version__}")
     try:
-        return CONFIG_MAPPING[manifest.model_type].from_dict(doc)
+        # transformers writes inf and nan as {"__float__": "Infinity"} (e.g. a Mamba time_step_limit); read them back as it does
+        return CONFIG_MAPPING[manifest.model_type].from_dict(PretrainedConfig._decode_special_floats(doc))
     except Exception as e:  # noqa: BLE001 (transformers' checks raise many types: huggingface_hub's validation errors, TypeError, ...)
         raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({type(e).__name__}: {show(str(e))})") from None
 
