@@ -72,7 +72,7 @@ class BlobLayout:
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         """Quantize one expert's tensors into a fresh uint8 CPU blob of ``stride`` bytes; also the SQNR (dB)
-        per tensor. Quantization runs on the tensors' device (a GPU makes large packs much faster)."""
+        per tensor the encoding changed. Quantization runs on the tensors' device (a GPU makes large packs much faster)."""
         scheme = quant.get_scheme(self.precision)
         blob = torch.zeros(self.stride, dtype=torch.uint8)  # [stride]
         sqnr: dict[str, float] = {}
@@ -89,7 +89,7 @@ class BlobLayout:
                 back = torch.empty(shape, dtype=torch.bfloat16, device=w.device)
                 scheme.dequantize(q, out=back)
                 db = quant.sqnr_db(w, back)
-                if db != math.inf:  # a tensor the scheme keeps exact (a bias) records none
+                if math.isfinite(db):  # an exact encoding (a bias int8 keeps, mxfp4 of an MXFP4 source) records none, as bf16 does
                     sqnr[name] = db
         return blob, sqnr
 

@@ -19,6 +19,7 @@ from typing import Any
 from .. import quant
 from .blob import blob_layout
 from .layout import ExpertLayout
+from .shown import show
 
 FORMAT = "tiers-packed"
 VERSION = 2
@@ -26,12 +27,6 @@ VERSION = 2
 
 class FormatError(ValueError):
     """A packed checkpoint's manifest or files are malformed (naming the file and the field)."""
-
-
-def shown(value: Any, limit: int = 200) -> str:
-    """``repr(value)`` for a message, at most ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def checksum(doc: dict) -> str:
@@ -52,34 +47,34 @@ class Parser:
 
     def get(self, d: Any, key: str, kind: type | tuple, field: str) -> Any:
         if not isinstance(d, dict):
-            raise self.fail(field, f"expected an object, got {shown(d)}")
+            raise self.fail(field, f"expected an object, got {show(d)}")
         if key not in d:
             raise self.fail(f"{field}.{key}" if field else key, "missing")
         value = d[key]
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-            raise self.fail(f"{field}.{key}" if field else key, f"expected {_kind(kind)}, got {shown(value)}")
+            raise self.fail(f"{field}.{key}" if field else key, f"expected {_kind(kind)}, got {show(value)}")
         if not isinstance(value, kind):
-            raise self.fail(f"{field}.{key}" if field else key, f"expected {_kind(kind)}, got {shown(value)}")
+            raise self.fail(f"{field}.{key}" if field else key, f"expected {_kind(kind)}, got {show(value)}")
         return value
 
     def count(self, d: Any, key: str, field: str, *, lo: int = 0, hi: int = 2**63) -> int:
         value = self.get(d, key, int, field)
         if not lo <= value < hi:
-            raise self.fail(f"{field}.{key}", f"expected an integer in [{lo}, {hi}), got {shown(value)}")
+            raise self.fail(f"{field}.{key}", f"expected an integer in [{lo}, {hi}), got {show(value)}")
         return value
 
     def confined(self, name: Any, field: str) -> str:
         """A file name the manifest lists, refused unless it stays inside the pack directory."""
         if not isinstance(name, str) or not name:
-            raise self.fail(field, f"expected a file name, got {shown(name)}")
+            raise self.fail(field, f"expected a file name, got {show(name)}")
         pure = PurePosixPath(name)
         if pure.is_absolute() or "\\" in name or any(part in ("..", ".", "") for part in name.split("/")) or name.startswith("~"):
-            raise self.fail(field, f"file name {shown(name)} leaves the pack directory (an absolute path, '..' or an odd name)")
+            raise self.fail(field, f"file name {show(name)} leaves the pack directory (an absolute path, '..' or an odd name)")
         path = self.root / name
         try:
             path.resolve().relative_to(self.real_root)
         except (ValueError, OSError, RuntimeError):
-            raise self.fail(field, f"file {shown(name)} resolves outside the pack directory (a symlink out of it)") from None
+            raise self.fail(field, f"file {show(name)} resolves outside the pack directory (a symlink out of it)") from None
         return name
 
     def files(self, table: dict, key: str) -> dict[str, dict]:
@@ -101,23 +96,23 @@ def _kind(kind: type | tuple) -> str:
 def parse_head(p: Parser, doc: Any) -> dict:
     """The fields every other check needs: format, version, checksum, precisions, the file tables."""
     if not isinstance(doc, dict):
-        raise p.fail("manifest", f"expected a JSON object, got {shown(doc)}")
+        raise p.fail("manifest", f"expected a JSON object, got {show(doc)}")
     fmt = doc.get("format")
     if fmt != FORMAT:
-        raise p.fail("format", f"is {shown(fmt)}, expected {FORMAT!r}")
+        raise p.fail("format", f"is {show(fmt)}, expected {FORMAT!r}")
     version = doc.get("version")
     if version != VERSION:
-        raise p.fail("version", f"format version {shown(version)} is not read by this build (it reads {VERSION}); re-pack the checkpoint")
+        raise p.fail("version", f"format version {show(version)} is not read by this build (it reads {VERSION}); re-pack the checkpoint")
     stored = p.get(doc, "checksum", str, "")
     if stored != checksum(doc):
-        raise p.fail("checksum", f"the manifest's content does not match its checksum {shown(stored)} (changed after packing); re-pack")
+        raise p.fail("checksum", f"the manifest's content does not match its checksum {show(stored)} (changed after packing); re-pack")
     precisions = p.get(doc, "precisions", list, "")
     known = set(quant.scheme_names())
     if not precisions or len(set(map(str, precisions))) != len(precisions) or not all(isinstance(x, str) and x in known for x in precisions):
-        raise p.fail("precisions", f"expected distinct known precisions {sorted(known)}, got {shown(precisions)}")
+        raise p.fail("precisions", f"expected distinct known precisions {sorted(known)}, got {show(precisions)}")
     p.get(doc, "model_type", str, "")
     if p.get(doc, "compute_dtype", str, "") != "bfloat16":
-        raise p.fail("compute_dtype", f"expected 'bfloat16', got {shown(doc['compute_dtype'])}")
+        raise p.fail("compute_dtype", f"expected 'bfloat16', got {show(doc['compute_dtype'])}")
     dense = p.get(p.get(doc, "dense", dict, ""), "files", dict, "dense")
     experts_files = p.get(doc, "expert_files", dict, "")
     return {"precisions": tuple(precisions), "dense": p.files(dense, "dense.files"), "carried": p.files(p.get(doc, "carried", dict, ""), "carried"),
@@ -142,9 +137,9 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
     try:
         layout = ExpertLayout.from_json(p.get(entry, "layout", dict, field))
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: a size of infinity
-        raise p.fail(f"{field}.layout", f"not an expert layout ({shown(e)})") from None
+        raise p.fail(f"{field}.layout", f"not an expert layout ({show(e)})") from None
     if layout.num_experts < 1 or not layout.tensors:
-        raise p.fail(f"{field}.layout", f"no experts or no tensors: {shown(entry['layout'])}")
+        raise p.fail(f"{field}.layout", f"no experts or no tensors: {show(entry['layout'])}")
     blobs = {}
     stored = p.get(entry, "blobs", dict, field)
     for prec in precisions:
@@ -154,10 +149,10 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
         blobs[prec] = bl
     experts = p.get(entry, "experts", list, field)
     if len(experts) != layout.num_experts:  # before anything is sized by num_experts (10**30 of them)
-        raise p.fail(f"{field}.experts", f"{len(experts)} entries, the layer's layout has {shown(layout.num_experts)} experts")
+        raise p.fail(f"{field}.experts", f"{len(experts)} entries, the layer's layout has {show(layout.num_experts)} experts")
     ids = [p.count(e, "expert", f"{field}.experts[{j}]") for j, e in enumerate(experts)]
     if sorted(ids) != list(range(layout.num_experts)):
-        raise p.fail(f"{field}.experts", f"expert ids {shown(sorted(ids))} are not exactly 0..{layout.num_experts - 1}")
+        raise p.fail(f"{field}.experts", f"expert ids {show(sorted(ids))} are not exactly 0..{layout.num_experts - 1}")
     refs = [None] * layout.num_experts
     for j, e in zip(ids, experts):
         refs[j] = {prec: _ref(p, e, prec, f"{field}.experts[expert {j}].{prec}", blobs[prec].nbytes, expert_files) for prec in precisions}
@@ -168,13 +163,13 @@ def _ref(p: Parser, e: dict, prec: str, field: str, nbytes: int, expert_files: d
     r = p.get(e, prec, dict, field.rsplit(".", 1)[0])
     name = p.get(r, "file", str, field)
     if name not in expert_files:
-        raise p.fail(f"{field}.file", f"{shown(name)} is not one of the expert files the manifest lists")
+        raise p.fail(f"{field}.file", f"{show(name)} is not one of the expert files the manifest lists")
     offset = p.count(r, "offset", field)
     if p.count(r, "nbytes", field) != nbytes:
         raise p.fail(f"{field}.nbytes", f"{r['nbytes']} bytes, the layer's blob layout has {nbytes}")
     sqnr = r.get("sqnr_db")
     if sqnr is not None and (isinstance(sqnr, bool) or not isinstance(sqnr, (int, float))):
-        raise p.fail(f"{field}.sqnr_db", f"expected a number or null, got {shown(sqnr)}")
+        raise p.fail(f"{field}.sqnr_db", f"expected a number or null, got {show(sqnr)}")
     return {"file": name, "offset": offset, "nbytes": nbytes, "crc32": p.count(r, "crc32", field, hi=2**32), "sqnr_db": sqnr}
 
 
@@ -185,8 +180,8 @@ def parse_layers(p: Parser, doc: dict, head: dict) -> list[tuple]:
     out = [parse_layer(p, entry, i, head["precisions"], head["expert_files"]) for i, entry in enumerate(layers)]
     seen = [x[0] for x in out]
     if len(set(seen)) != len(seen):
-        raise p.fail("layers", f"a layer is listed twice: {shown(seen)}")
+        raise p.fail("layers", f"a layer is listed twice: {show(seen)}")
     modules = [x[1] for x in out]
     if len(set(modules)) != len(modules):
-        raise p.fail("layers", f"an experts module is listed twice: {shown(modules)}")
+        raise p.fail("layers", f"an experts module is listed twice: {show(modules)}")
     return out

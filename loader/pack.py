@@ -18,7 +18,7 @@ import re
 import shutil
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +32,10 @@ from .destination import StaleDir, check_apart, remove_stale, staging_dir
 from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
 from .lock import hold
 from .packed import MANIFEST, file_crc32, manifest_json, routing_prior
-from .skeleton import build_skeleton, key_renamer
+from .convert import NAMES, Converted, expert_slice, plan_outputs
+from .skeleton import KeyMap, build_skeleton
 from .source import SourceCheckpoint
+from .source_formats import check_precisions
 from .swap import claim, exists_error
 
 DEFAULT_PRECISIONS = ("bf16", "int8")
@@ -96,6 +98,9 @@ class _Plan:
     dense: dict[str, str]  # model key -> source key
     sources: dict  # layer -> _ExpertSource
     skipped: list[str]
+    converted: list[Converted]  # dense tensors transformers' weight converters make from groups of source keys
+    keymap: KeyMap
+    model: torch.nn.Module
 
 
 @dataclass
@@ -104,6 +109,8 @@ class _ExpertSource:
 
     fused: dict[str, str] = field(default_factory=dict)  # tensor name -> fused key [E, ...]
     parts: dict[tuple[int, str, str], str] = field(default_factory=dict)  # (expert, role, kind) -> key
+    converted: dict[str, Converted] = field(default_factory=dict)  # tensor name -> converter group of fused keys
+    runner: tuple = ()  # (KeyMap, model) the converter groups run with
 
 
 def _fuse(layout: ExpertLayout, parts: dict[tuple[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -124,9 +131,8 @@ def _fuse(layout: ExpertLayout, parts: dict[tuple[str, str], torch.Tensor]) -> d
     return out
 
 
-def _plan(src: SourceCheckpoint, model: torch.nn.Module):
-    """Sort every source key into dense (model key), experts (layer -> source) or skipped."""
-    rename = key_renamer(model)
+def _plan(src: SourceCheckpoint, model: torch.nn.Module) -> _Plan:
+    """Sort every source key into dense (model key), experts (layer -> source), converter groups or skipped."""
     experts = find_experts_modules(model)
     if not experts:
         raise ValueError(f"model type {model.config.model_type!r} has no experts module that transformers' experts registry drives")
@@ -134,35 +140,66 @@ def _plan(src: SourceCheckpoint, model: torch.nn.Module):
         why = unservable(module)
         if why is not None:
             raise ValueError(f"{model.config.model_type} ({type(module).__name__}): {why}; Tiers cannot serve this family yet")
-    by_module = {name: layer for layer, (name, _) in experts.items()}
     layouts = {layer: discover_layout(mod) for layer, (_, mod) in experts.items()}
-    dense_targets = set(model.state_dict().keys())
-    expert_params = {f"{name}.{t.name}" for layer, (name, _) in experts.items() for t in layouts[layer].tensors}
-    dense_targets -= expert_params
-    dense: dict[str, str] = {}
-    sources = {layer: _ExpertSource() for layer in experts}
-    skipped: list[str] = []
-    for key in src.keys():
-        new = rename(key)
-        if new in dense_targets:
-            dense[new] = key
+    keymap = KeyMap(model)
+    dense_targets = set(model.state_dict().keys()) - {f"{name}.{t.name}" for layer, (name, _) in experts.items()
+                                                      for t in layouts[layer].tensors}
+    dense, sources, groups, skipped = _sort_keys(src, keymap, experts, layouts, dense_targets)
+    converted = []
+    for group in groups.values():
+        mod, _, leaf = group.target.rpartition(".")
+        layer = next((L for L, (name, _) in experts.items() if name == mod), None)
+        if layer is not None and leaf in {t.name for t in layouts[layer].tensors}:
+            patterns = [p for p, _ in group.sources]
+            if len(set(patterns)) != len(patterns):  # one key per expert: only the projections pack knows are fused
+                raise ValueError(f"{model.config.model_type}: experts tensor {group.target!r} is made from per-expert keys "
+                                 f"{[k for _, k in group.sources][:3]}, whose projection names pack does not know")
+            sources[layer].converted[leaf] = group
+            sources[layer].runner = (keymap, model)
             continue
-        mod, _, leaf = new.rpartition(".")
-        if mod in by_module and leaf in {t.name for t in layouts[by_module[mod]].tensors}:
-            sources[by_module[mod]].fused[leaf] = key
-            continue
-        m = _PER_EXPERT_RE.match(new)
-        if m and m["mod"] in by_module and m["proj"] in _PROJ_ROLE:
-            sources[by_module[m["mod"]]].parts[(int(m["e"]), _PROJ_ROLE[m["proj"]], m["kind"])] = key
-            continue
-        skipped.append(key)
-    missing_dense = sorted(dense_targets - dense.keys() - _tied_keys(model))
+        plan_outputs(group, keymap, model, src)
+        group.outputs = {k: v for k, v in group.outputs.items() if k in dense_targets and k not in dense}
+        converted.append(group)
+    made = {k for g in converted for k in g.outputs}
+    missing_dense = sorted(dense_targets - dense.keys() - made - _tied_keys(model))
     if missing_dense:
         raise ValueError(f"source checkpoint lacks model weights {missing_dense[:8]} (of {len(missing_dense)} missing)")
+    _check_experts(experts, layouts, sources)
+    return _Plan(experts, layouts, dense, sources, skipped, converted, keymap, model)
+
+
+def _sort_keys(src: SourceCheckpoint, keymap: KeyMap, experts, layouts, dense_targets: set[str]):
+    """Each source key's place: (dense model key -> key, layer -> _ExpertSource, target -> converter group, skipped)."""
+    by_module = {name: layer for layer, (name, _) in experts.items()}
+    dense: dict[str, str] = {}
+    sources = {layer: _ExpertSource() for layer in experts}
+    groups: dict[str, Converted] = {}
+    skipped: list[str] = []
+    for key in src.keys():
+        new, pattern = keymap.map(key)
+        m = _PER_EXPERT_RE.match(keymap.renamed(key) if pattern else new)
+        if m and m["mod"] in by_module and m["proj"] in _PROJ_ROLE:  # per-expert projections: pack fuses them itself
+            sources[by_module[m["mod"]]].parts[(int(m["e"]), _PROJ_ROLE[m["proj"]], m["kind"])] = key
+            continue
+        mod, _, leaf = new.rpartition(".")
+        expert_tensor = mod in by_module and leaf in {t.name for t in layouts[by_module[mod]].tensors}
+        if pattern is not None and (new in dense_targets or expert_tensor):
+            groups.setdefault(new, Converted(new)).sources.append((pattern, key))
+        elif new in dense_targets:
+            dense[new] = key
+        elif expert_tensor:
+            sources[by_module[mod]].fused[leaf] = key
+        else:
+            skipped.append(key)
+    return dense, sources, groups, skipped
+
+
+def _check_experts(experts, layouts, sources) -> None:
+    """Every expert tensor of every layer has a source: a fused key, a converter group or every expert's projections."""
     for layer, s in sources.items():
         layout = layouts[layer]
         for t in layout.tensors:
-            if t.name in s.fused:
+            if t.name in s.fused or t.name in s.converted:
                 continue
             roles, kind = _TENSOR_ROLES.get(t.name, ((), ""))
             if not roles:
@@ -174,7 +211,6 @@ def _plan(src: SourceCheckpoint, model: torch.nn.Module):
                             f"layer {layer} expert {e}: checkpoint has no {r} projection {kind} for {t.name!r} "
                             f"(looked for {experts[layer][0]}.{e}.{{{','.join(_ROLE_ALIASES[r])}}}.{kind})"
                         )
-    return experts, layouts, dense, sources, skipped
 
 
 def _tied_keys(model: torch.nn.Module) -> set[str]:
@@ -192,6 +228,9 @@ def _read_expert(src: SourceCheckpoint, layout: ExpertLayout, s: _ExpertSource, 
     for t in layout.tensors:
         if t.name in s.fused:
             tensors[t.name] = src.get_expert(s.fused[t.name], e).contiguous()
+        elif t.name in s.converted:
+            group = s.converted[t.name]
+            tensors[t.name] = expert_slice(group, *s.runner, src, group.target, e).contiguous()
         else:
             roles, kind = _TENSOR_ROLES[t.name]
             for r in roles:
@@ -260,9 +299,10 @@ def pack(
     if os.path.lexists(dst) and not overwrite:  # early, before reading the source; claim checks again under the lock
         raise exists_error(dst)
     source = SourceCheckpoint(src_path)
+    check_precisions(precisions, source)  # a precision the source's format cannot give (mxfp4 needs MXFP4)
     config = AutoConfig.from_pretrained(src_path)
     model = build_skeleton(config)
-    plan = _Plan(*_plan(source, model))
+    plan = _plan(source, model)
     prior = None
     if routing is not None:
         prior = routing_prior(routing, {L: layout.num_experts for L, layout in plan.layouts.items()}, str(src_path))
@@ -315,7 +355,7 @@ def _write(source, config, plan: _Plan, tmp: Path, precisions, pack_doc, prior, 
     for f in source.carried_files():
         shutil.copy2(f, tmp / f.name)
         carried[f.name] = {"crc32": file_crc32(tmp / f.name), "nbytes": (tmp / f.name).stat().st_size}
-    dense_files = _write_dense(source, plan.dense, tmp)
+    dense_files = _write_dense(source, plan, tmp)
     layer_docs, bytes_per_precision, expert_files = _write_experts(
         source, plan.experts, plan.layouts, plan.sources, precisions, tmp, progress, dev
     )
@@ -335,30 +375,48 @@ def _write(source, config, plan: _Plan, tmp: Path, precisions, pack_doc, prior, 
     return dense_files, bytes_per_precision
 
 
-def _write_dense(source: SourceCheckpoint, dense: dict[str, str], out: Path) -> dict[str, dict]:
-    """Dense weights under the model's names, in shards of about 1 GiB, streamed one tensor at a time."""
-    items = sorted(dense.items(), key=lambda kv: (source.key_to_file[kv[1]], kv[0]))
-    shards: list[list[tuple[str, str, str, list[int]]]] = [[]]
-    size = 0
-    for model_key, src_key in items:
+def _dense_units(source: SourceCheckpoint, plan: _Plan) -> list[tuple[list[tuple[str, str, list[int]]], Callable]]:
+    """The dense tensors in write order, as units read together: (model key, dtype, shape) of each, and
+    a function reading them (model key -> tensor). A plain key is a unit; a converter group is one."""
+    units = []
+    for model_key, src_key in sorted(plan.dense.items(), key=lambda kv: (source.key_to_file[kv[1]], kv[0])):
         dtype, shape = source.meta(src_key)
-        nbytes = _ITEMSIZE[dtype] * math.prod(shape)
+        units.append(([(model_key, dtype, shape)], lambda m=model_key, k=src_key: {m: source.get(k)}))
+    for g in plan.converted:
+        if g.outputs:
+            units.append((sorted((k, d, sh) for k, (d, sh) in g.outputs.items()),
+                          lambda g=g: g.run(plan.keymap, plan.model, source.get)))
+    return units
+
+
+def _write_dense(source: SourceCheckpoint, plan: _Plan, out: Path) -> dict[str, dict]:
+    """Dense weights under the model's names, in shards of about 1 GiB, streamed one tensor (or one
+    converter group) at a time."""
+    shards: list[list] = [[]]
+    size = 0
+    for unit in _dense_units(source, plan):
+        nbytes = sum(_ITEMSIZE[d] * math.prod(sh) for _, d, sh in unit[0])
         if shards[-1] and size + nbytes > DENSE_SHARD_BYTES:
             shards.append([])
             size = 0
-        shards[-1].append((model_key, src_key, dtype, shape))
+        shards[-1].append(unit)
         size += nbytes
     files: dict[str, dict] = {}
     for i, shard in enumerate(s for s in shards if s):
         name = f"dense-{i + 1:05d}.safetensors"
-        header = _safetensors_header([(k, d, sh) for k, _, d, sh in shard], {"format": "pt"})
+        header = _safetensors_header([t for entries, _ in shard for t in entries], {"format": "pt"})
         crc = zlib.crc32(header)
         with open(out / name, "wb") as f:
             f.write(header)
-            for _, src_key, _, _ in shard:
-                raw = memoryview(source.get(src_key).contiguous().view(-1).view(torch.uint8).numpy())
-                f.write(raw)
-                crc = zlib.crc32(raw, crc)
+            for entries, read in shard:
+                tensors = read()
+                for model_key, dtype, shape in entries:
+                    t = tensors[model_key]
+                    if NAMES.get(t.dtype) != dtype or list(t.shape) != list(shape):
+                        raise ValueError(f"dense tensor {model_key!r} came out as {t.dtype} {list(t.shape)}, planned {dtype} {shape}")
+                    raw = memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
+                    f.write(raw)
+                    crc = zlib.crc32(raw, crc)
         files[name] = {"crc32": crc, "nbytes": (out / name).stat().st_size}
     return files
 

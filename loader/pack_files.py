@@ -21,7 +21,8 @@ import zlib
 from pathlib import Path
 from typing import BinaryIO
 
-from .manifest_parse import FormatError, shown
+from .manifest_parse import FormatError
+from .shown import show
 from .packed import Manifest
 
 
@@ -82,7 +83,7 @@ def _expert_header(path: Path, info: dict) -> dict:
     try:
         header = json.loads(head[8:])
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: safetensors header is not JSON ({shown(str(e))})") from None
+        raise FormatError(f"{path}: safetensors header is not JSON ({show(str(e))})") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: safetensors header is not an object")
     return header
@@ -96,7 +97,7 @@ def _placed(path: Path, header: dict, header_bytes: int, refs: list[tuple[int, i
         begin, end = offsets if isinstance(offsets, list) and len(offsets) == 2 else (None, None)
         if not (isinstance(begin, int) and isinstance(end, int)) or offset != header_bytes + begin or nbytes > end - begin:
             raise FormatError(f"{path}: expert {e}: the manifest's offset {offset} (+{nbytes} bytes) is not the header's "
-                              f"'expert.{e}' entry {shown(entry)}")
+                              f"'expert.{e}' entry {show(entry)}")
     spans = sorted((offset, offset + nbytes, e) for e, offset, nbytes in refs)
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
@@ -123,7 +124,7 @@ def verify_files(manifest: Manifest) -> dict[str, bytes]:
         refs = per_file[name]
         header = _expert_header(path, info)
         if header.get("__metadata__") != owner.get(name):
-            raise FormatError(f"{path}: the file is {shown(header.get('__metadata__'))}, but the manifest uses it as {shown(owner.get(name))}")
+            raise FormatError(f"{path}: the file is {show(header.get('__metadata__'))}, but the manifest uses it as {show(owner.get(name))}")
         _placed(path, header, info["header_bytes"], refs)
         if any(offset + nbytes > info["nbytes"] for _, offset, nbytes in refs):
             raise FormatError(f"{path}: a blob runs past the file's {info['nbytes']} bytes")

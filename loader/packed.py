@@ -25,7 +25,8 @@ from pathlib import Path
 
 from .blob import BlobLayout
 from .layout import ExpertKey, ExpertLayout
-from .manifest_parse import FORMAT, VERSION, FormatError, Parser, checksum, parse_head, parse_layers, shown
+from .manifest_parse import FORMAT, VERSION, FormatError, Parser, checksum, parse_head, parse_layers
+from .shown import show
 from .routing import check_routing, load_routing, write_json
 
 MANIFEST = "manifest.json"
@@ -140,19 +141,19 @@ def _read_manifest(path: str | Path) -> tuple[Manifest, dict]:
     try:
         m = json.loads(mpath.read_bytes(), object_pairs_hook=_unique_keys)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise FormatError(f"{mpath}: not valid JSON ({shown(str(e))})") from None
+        raise FormatError(f"{mpath}: not valid JSON ({show(str(e))})") from None
     except _DuplicateKey as e:
-        raise FormatError(f"{mpath}: key {shown(e.args[0])} appears twice in one object") from None
+        raise FormatError(f"{mpath}: key {show(e.args[0])} appears twice in one object") from None
     p = Parser(root, mpath)
     head = parse_head(p, m)
     layers = {L: LayerEntry(L, module, layout, blobs, tuple({k: BlobRef(**v) for k, v in e.items()} for e in refs))
               for L, module, layout, blobs, refs in parse_layers(p, m, head)}
     skipped = m.get("skipped_keys", [])
     if not isinstance(skipped, list) or not all(isinstance(k, str) for k in skipped):
-        raise p.fail("skipped_keys", f"expected a list of strings, got {shown(skipped)}")
+        raise p.fail("skipped_keys", f"expected a list of strings, got {show(skipped)}")
     pack = m.get("pack", {})
     if not isinstance(pack, dict):
-        raise p.fail("pack", f"expected an object, got {shown(pack)}")
+        raise p.fail("pack", f"expected an object, got {show(pack)}")
     return Manifest(root=root, model_type=m["model_type"], compute_dtype=m["compute_dtype"], precisions=head["precisions"],
                     layers=dict(sorted(layers.items())), dense_files=head["dense"], carried=head["carried"],
                     expert_files=head["expert_files"], pack=pack, skipped_keys=tuple(skipped), routing_prior=None), m

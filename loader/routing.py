@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .manifest_parse import shown
+from .shown import show
 
 ROUTING_FORMAT = "tiers-routing"
 ROUTING_VERSION = 1
@@ -112,7 +112,7 @@ def check_routing(doc: object, experts: Mapping[int, int], name: str, checkpoint
             raise ValueError(f"{name}: layer {layer} has {n} experts in the checkpoint, the file counts {got}")
         for e, c in enumerate(row):
             if not _count(c):
-                raise ValueError(f"{name}: layer {layer}, expert {e}: expected a count >= 0, got {shown(c)}")
+                raise ValueError(f"{name}: layer {layer}, expert {e}: expected a count >= 0, got {show(c)}")
         out[layer] = [float(c) for c in row]
     if not any(c > 0 for row in out.values() for c in row):
         raise ValueError(f"{name}: counts no lookups; it cannot rank the experts")

@@ -1,14 +1,15 @@
 """A model skeleton: the transformers model built from config.json with every parameter on
 the meta device and every buffer real (on the CPU).
 
-Owns: building that skeleton, and the renaming of checkpoint keys to the skeleton's own names.
+Owns: building that skeleton, and the mapping of checkpoint keys to the skeleton's own names.
 Parameters cost nothing on meta; buffers (rotary tables and the like) are computed by the
 model's own constructor, so they are exactly what an ordinary ``from_pretrained`` computes.
 """
 from __future__ import annotations
 
+import copy
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -59,23 +60,44 @@ def build_skeleton(config: PretrainedConfig, dtype: torch.dtype = torch.bfloat16
     return model.eval()
 
 
-def key_renamer(model: torch.nn.Module) -> Callable[[str], str]:
-    """Checkpoint key -> model key, through transformers' own renaming rules for this model.
+class KeyMap:
+    """Checkpoint key -> model key, by transformers' own rules for this model (``rename_source_key``
+    with the model's renamings and weight converters, the base-model prefix added or dropped as
+    the model's state dict needs), as ``from_pretrained`` maps them.
 
-    Only plain renamings are applied here (``block_sparse_moe.`` -> ``mlp.`` and the like);
-    expert tensors that transformers fuses with a converter are handled by the packer itself.
+    ``map(key)`` gives (model key, converter source pattern or None); a key a converter takes is
+    mapped to the converter's target, whose tensors ``loader.convert`` computes from every source
+    of the group. ``renamed(key)`` applies the renamings alone (per-expert keys keep their index).
     """
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
-    except ImportError:  # a transformers without conversion mappings renames nothing
-        return lambda key: key
-    transforms = get_model_conversion_mapping(model) or []
-    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
 
-    def rename(key: str) -> str:
-        for r in renamings:
-            key, _ = r.rename_source_key(key)
-        return key
+    def __init__(self, model: torch.nn.Module):
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, rename_source_key
+        except ImportError:  # a transformers without conversion mappings renames nothing
+            get_model_conversion_mapping, WeightConverter, rename_source_key = (lambda m: []), (), None
+        transforms = get_model_conversion_mapping(model) or []
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        self._rename = rename_source_key
+        self._prefix = getattr(model, "base_model_prefix", None) or None
+        self._targets = dict.fromkeys(model.state_dict())
+        self._by_pattern = {p: c for c in self.converters for p in c.source_patterns}
 
-    return rename
+    def _apply(self, key: str, converters: list) -> tuple[str, str | None]:
+        if self._rename is None:
+            return key, None
+        new, pattern = self._rename(key, self.renamings, converters, self._prefix, self._targets)
+        if new not in self._targets and key in self._targets:  # transformers' rule: a model key renamed away stays
+            return key, None
+        return new, pattern
+
+    def map(self, key: str) -> tuple[str, str | None]:
+        return self._apply(key, self.converters)
+
+    def renamed(self, key: str) -> str:
+        return self._apply(key, [])[0]
+
+    def converter(self, pattern: str):
+        """A fresh copy of the converter that matched ``pattern`` (each group collects its own tensors)."""
+        return copy.deepcopy(self._by_pattern[pattern])

@@ -16,10 +16,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from . import source_formats
+
 INDEX_NAME = "model.safetensors.index.json"
 
 
 class SourceCheckpoint:
+    formats: source_formats.SourceFormats | None = None  # quantized pairs, read decoded (set once the keys are listed)
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_dir():
@@ -42,6 +46,7 @@ class SourceCheckpoint:
                 with self._open(fname) as f:
                     for key in f.keys():
                         self.key_to_file[key] = fname
+        self.key_to_file, self.formats = source_formats.read(self.path, self.key_to_file, self._open)  # pairs -> plain names
 
     @contextmanager
     def _open(self, fname: str) -> Iterator:
@@ -49,7 +54,7 @@ class SourceCheckpoint:
         puts in it, is a ValueError naming the shard."""
         try:
             with safe_open(self.path / fname, framework="pt") as f:
-                yield f
+                yield f if self.formats is None else self.formats.handle(f, fname)
         except SafetensorError as e:
             raise ValueError(f"source shard {str(self.path / fname)!r} cannot be read: {e}") from None
 

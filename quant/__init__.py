@@ -1,9 +1,10 @@
-"""Quantization schemes for expert weights in transit: bf16 (lossless), int8 (per row), bnb8.
+"""Quantization schemes for expert weights in transit: bf16 (lossless), int8 (per row), bnb8, mxfp4 (as stored).
 
 Pure functions over tensors; no knowledge of tiers, files or streams.
 """
 from . import bnb as _bnb  # noqa: F401  (registers "bnb8")
 from . import int8 as _int8  # noqa: F401  (registers "int8")
+from . import mxfp4 as _mxfp4  # noqa: F401  (registers "mxfp4")
 from . import plain as _plain  # noqa: F401  (registers "bf16")
 from .core import FieldSpec, QuantizedTensor, Scheme, get_scheme, scheme_names, sqnr_db
 

@@ -22,7 +22,8 @@ from tiers import hf, report
 from tiers.config import TiersConfig, load_config
 from tiers.graphs import step_graphs
 from tiers.loader.layout import discover_layout, find_experts_modules, unservable
-from tiers.loader.manifest_parse import FormatError, shown
+from tiers.loader.manifest_parse import FormatError
+from tiers.loader.shown import show
 from tiers.loader.pack_files import read_owned, verify_files
 from tiers.loader.packed import MANIFEST, Manifest, read_manifest
 from tiers.loader.routing import read_routing, routing_document, write_routing
@@ -64,12 +65,12 @@ def _load_dense(model: torch.nn.Module, manifest: Manifest, expert_params: set[s
         try:  # the bytes checked are the bytes used: the file is read once, whole, then parsed
             tensors = safetensors.torch.load(read_owned(manifest.root, fname, info, "dense weights file"))
         except safetensors.SafetensorError as e:
-            raise FormatError(f"{path}: not a safetensors file ({shown(str(e))})") from None
+            raise FormatError(f"{path}: not a safetensors file ({show(str(e))})") from None
         for key, t in tensors.items():
             if key not in expected:
-                raise FormatError(f"{path}: tensor {shown(key)} is not a weight of this model")
+                raise FormatError(f"{path}: tensor {show(key)} is not a weight of this model")
             if key in owner:
-                raise FormatError(f"{path}: tensor {shown(key)} is also in {owner[key]!r}")
+                raise FormatError(f"{path}: tensor {show(key)} is also in {owner[key]!r}")
             owner[key] = fname
             ref = expected[key]
             if tuple(t.shape) != tuple(ref.shape):
@@ -95,9 +96,9 @@ def _carried_json(manifest: Manifest, carried: dict[str, bytes], name: str) -> d
     try:
         doc = json.loads(carried[name])
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise FormatError(f"{path}: not valid JSON ({shown(str(e))})") from None
+        raise FormatError(f"{path}: not valid JSON ({show(str(e))})") from None
     if not isinstance(doc, dict):
-        raise FormatError(f"{path}: expected a JSON object, got {shown(doc)}")
+        raise FormatError(f"{path}: expected a JSON object, got {show(doc)}")
     return doc
 
 
@@ -107,15 +108,16 @@ def _model_config(manifest: Manifest, carried: dict[str, bytes]) -> PretrainedCo
     if doc is None:
         raise FormatError(f"packed checkpoint {str(manifest.root)!r} carries no config.json; re-pack it from a save_pretrained directory")
     if doc.get("model_type") != manifest.model_type:
-        raise FormatError(f"{manifest.root / 'config.json'}: model_type {shown(doc.get('model_type'))}, "
+        raise FormatError(f"{manifest.root / 'config.json'}: model_type {show(doc.get('model_type'))}, "
                           f"the manifest says {manifest.model_type!r}")
     if manifest.model_type not in CONFIG_MAPPING:
         raise ValueError(f"{str(manifest.root)!r}: model family {manifest.model_type!r} is not known to transformers "
                          f"{transformers.__version__}")
     try:
-        return CONFIG_MAPPING[manifest.model_type].from_dict(doc)
+        # transformers writes inf and nan as {"__float__": "Infinity"} (e.g. a Mamba time_step_limit); read them back as it does
+        return CONFIG_MAPPING[manifest.model_type].from_dict(PretrainedConfig._decode_special_floats(doc))
     except Exception as e:  # noqa: BLE001 (transformers' checks raise many types: huggingface_hub's validation errors, TypeError, ...)
-        raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({type(e).__name__}: {shown(str(e))})") from None
+        raise FormatError(f"{manifest.root / 'config.json'}: not a {manifest.model_type} config ({type(e).__name__}: {show(str(e))})") from None
 
 
 def _check_top_k(manifest: Manifest, config: PretrainedConfig) -> None:
@@ -126,7 +128,7 @@ def _check_top_k(manifest: Manifest, config: PretrainedConfig) -> None:
         k = getattr(getattr(config, "text_config", None), "num_experts_per_tok", None)
     n = min(e.layout.num_experts for e in manifest.layers.values())
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n):
-        raise FormatError(f"{manifest.root / 'config.json'}: num_experts_per_tok is {shown(k)}, expected 1..{n} "
+        raise FormatError(f"{manifest.root / 'config.json'}: num_experts_per_tok is {show(k)}, expected 1..{n} "
                           f"(the packed MoE layers have {n} experts)")
 
 
@@ -139,7 +141,7 @@ def _generation_config(manifest: Manifest, carried: dict[str, bytes]) -> Generat
         return GenerationConfig.from_dict(doc)
     except Exception as e:  # noqa: BLE001 (its checks raise ValueError, TypeError, AttributeError, ...)
         raise FormatError(f"{manifest.root / 'generation_config.json'}: not a generation config "
-                          f"({type(e).__name__}: {shown(str(e))})") from None
+                          f"({type(e).__name__}: {show(str(e))})") from None
 
 
 def _skeleton(manifest: Manifest, config: PretrainedConfig) -> PreTrainedModel:
@@ -149,7 +151,7 @@ def _skeleton(manifest: Manifest, config: PretrainedConfig) -> PreTrainedModel:
         return build_skeleton(config, dtype=torch.bfloat16)
     except Exception as e:  # noqa: BLE001 (the model's constructor fails in its own ways on such values)
         raise FormatError(f"{manifest.root / 'config.json'}: no {manifest.model_type} model can be built from it "
-                          f"({type(e).__name__}: {shown(str(e))})") from None
+                          f"({type(e).__name__}: {show(str(e))})") from None
 
 
 def _experts(model: PreTrainedModel, manifest: Manifest) -> dict[int, tuple[str, torch.nn.Module]]:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from tiers import quant
-from tiers.config_yaml import SHOWN, read_yaml, show
+from tiers.config_yaml import read_yaml
+from tiers.loader.shown import SHOWN, show
 
 _UNITS = {
     "": 1, "b": 1,

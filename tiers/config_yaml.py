@@ -1,8 +1,8 @@
-"""The config's input boundary: a file read as strict YAML, and a value shown short in a message.
+"""The config's input boundary: a file read as strict YAML.
 
 Owns turning a config file into the plain document ``tiers.config.parse_config`` validates
-(dicts with str keys, lists, str, int, float, bool, None), and ``show(value)``, the one way the
-config's messages render a value the user gave, file or dict. PyYAML's safe loader reads YAML 1.1,
+(dicts with str keys, lists, str, int, float, bool, None); its messages show values with
+``tiers.loader.shown.show``. PyYAML's safe loader reads YAML 1.1,
 where ``1:30`` is 90, ``017`` is 15, ``0x1F`` is 31, ``1_000`` is 1000 and ``yes``/``on`` are
 true; where a key given twice keeps its last value; and where a few hundred bytes of anchors
 and aliases expand into billions of nodes. ``StrictLoader`` keeps none of that.
@@ -31,94 +31,22 @@ so any count would be an arbitrary limit that only an attack reaches; with none,
 is a tree no larger than its text. With nesting capped at MAX_DEPTH and the file at MAX_BYTES,
 reading is linear in a small input (and PyYAML's recursive composer never hits the recursion
 limit). Every error is a ValueError beginning with the dotted key (``config`` for the file).
-
-``show`` returns ``repr(value)`` when that fits in SHOWN characters, else its first SHOWN, an
-ellipsis and the value's full length; its work is bounded by SHOWN, not by the value: a string
-is cut before it is written out, a list, tuple or dict stops at the item that crosses the limit,
-and an int too long to write is described by its digit count. A dict config may come from the
-caller's own ``yaml.safe_load``, aliases expanded: with ``repr``, the message for a 325-byte
-alias bomb (seven levels of nine aliases under ``tiers.gpu.fraction``) took 15 s and 351 MB,
-nine times that per level more; and Python refuses ``repr`` of an int over 4300 digits.
 """
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tiers.loader.shown import cut, show
+
 MAX_BYTES = 64 << 10  # a full config with comments is under 1 KiB
 MAX_DEPTH = 8  # nodes deep; the config is 4 (the document, tiers, gpu, fraction)
 MAX_DIGITS = 64  # of a decimal integer; the largest the config takes (a budget in bytes) has 19
 YAML_ERROR = 500  # characters of PyYAML's own message kept
-SHOWN = 200  # characters of a value a message shows
-_BITS_WRITTEN = 3 * SHOWN  # an int longer than this (about 180 digits) is described, not written
-
-
-# -- a value in a message --------------------------------------------------
-
-
-def show(value: Any) -> str:
-    """``repr(value)`` if it fits in SHOWN characters, else its first SHOWN and ``… (its length)``."""
-    text = ""
-    for chunk in _repr_chunks(value):  # stops reading once past SHOWN, so the rest is never built
-        text += chunk
-        if len(text) > SHOWN:
-            return cut(text, SHOWN, _length(value, text))
-    return text
-
-
-def cut(text: str, limit: int = SHOWN, length: str | None = None) -> str:
-    """``text``, or its first ``limit`` characters, an ellipsis and ``length`` (default: its own)."""
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}… ({length or f'{len(text)} characters'})"
-
-
-def _repr_chunks(value: Any) -> Iterator[str]:
-    """``repr(value)`` in pieces, in order, none much longer than SHOWN: a list, tuple or dict
-    yields its brackets and items one by one, a longer string only its beginning (the piece is
-    then past SHOWN, where ``show`` cuts), a huge int or collection a description of it."""
-    kind = type(value)
-    if kind in (str, bytes):
-        yield repr(value) if len(value) <= SHOWN else repr(value[: SHOWN + 1])
-    elif kind is int and value.bit_length() > _BITS_WRITTEN:
-        yield f"<an integer of {_digits(value)} digits>"
-    elif kind in (list, tuple, dict):
-        yield {list: "[", tuple: "(", dict: "{"}[kind]
-        for i, item in enumerate(value.items() if kind is dict else value):
-            if i:
-                yield ", "
-            if kind is dict:
-                yield from _repr_chunks(item[0])
-                yield ": "
-                yield from _repr_chunks(item[1])
-            else:
-                yield from _repr_chunks(item)
-        yield ",)" if kind is tuple and len(value) == 1 else {list: "]", tuple: ")", dict: "}"}[kind]
-    elif isinstance(value, Sized) and len(value) > SHOWN:  # a set, a dict subclass: not written out
-        yield f"<{kind.__name__} of {len(value)} items>"
-    else:
-        yield repr(value)
-
-
-def _digits(n: int) -> int:
-    """How many decimal digits ``n`` has, without writing it out: an estimate from its bit length,
-    settled by comparing with powers of ten."""
-    n, guess = abs(n), math.floor(abs(n).bit_length() * math.log10(2)) + 1
-    return guess + 1 if n >= 10**guess else guess if n >= 10 ** (guess - 1) else guess - 1
-
-
-def _length(value: Any, text: str) -> str:
-    """The full length of a value ``show`` cut: characters of a string, items of a container."""
-    if isinstance(value, (str, bytes)):
-        return f"{len(value)} {'characters' if isinstance(value, str) else 'bytes'}"
-    if isinstance(value, (list, tuple, dict)):
-        return f"{type(value).__name__} of {len(value)} item{'' if len(value) == 1 else 's'}"
-    return f"{len(text)} characters"
 
 
 # -- the strict loader -----------------------------------------------------

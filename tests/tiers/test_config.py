@@ -26,7 +26,7 @@ from tiers.config import (
     precisions_needed,
 )
 
-PRECISIONS = ("bf16", "bnb8", "int8")  # what quant registers; spelled out so a new scheme is a conscious change
+PRECISIONS = ("bf16", "bnb8", "int8", "mxfp4")  # what quant registers; spelled out so a new scheme is a conscious change
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # The documented minimal YAML (tools/demo.py's DEMO_YAML), comments included.
@@ -331,7 +331,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.rebalance.max_moves", True), "tiers.rebalance.max_moves: expected an integer in [1, 1048576], got True"),
         (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 0"),
         (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 2.0"),
-        (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8']"),
+        (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8', 'mxfp4']"),
         (at("tiers.gpu.budget", -5), "tiers.gpu.budget: a budget must be positive, got -5"),
         (at("tiers.gpu.budget", "0GiB"), "tiers.gpu.budget: a budget must be positive, got '0GiB'"),
         (

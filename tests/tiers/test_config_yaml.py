@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tiers.config import KEYS, TiersConfig, load_config, parse_config
-from tiers.config_yaml import MAX_BYTES, MAX_DEPTH, MAX_DIGITS, SHOWN, cut, show
+from tiers.config_yaml import MAX_BYTES, MAX_DEPTH, MAX_DIGITS
+from tiers.loader.shown import SHOWN, cut, show
 
 LONGEST_MESSAGE = 1000
 TAIL = 40  # the most "… (list of 1000000 items)" and the like add past SHOWN
