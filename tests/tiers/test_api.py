@@ -254,7 +254,8 @@ def test_int8_expert_outputs_within_bound(model_type, device, checkpoint_factory
     for layer, (name, mod) in find_experts_modules(model).items():
         ref_mod = ref.get_submodule(name)
         k = model.config.num_experts_per_tok
-        x = torch.randn(64, ref_mod.down_proj.shape[-1 if mod.is_transposed else -2], generator=g)  # [T, H].to(device, torch.bfloat16)  # [T, H]
+        hidden = ref_mod.down_proj.shape[-1 if mod.is_transposed else -2]
+        x = torch.randn(64, hidden, generator=g).to(device, torch.bfloat16)  # [T, H]
         idx = torch.stack([torch.randperm(mod.num_experts, generator=g)[:k] for _ in range(64)]).to(device)  # [T, k]
         w = torch.softmax(torch.randn(64, k, generator=g), -1).to(device, torch.bfloat16)  # [T, k]
         with torch.no_grad():
