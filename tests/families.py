@@ -67,7 +67,7 @@ OVERRIDES: dict[str, dict] = {
 # Families whose tiny model runs in transformers but that Tiers does not serve yet, and why.
 NOT_SERVED: dict[str, str] = {
     "hy_v4": "packed and loaded, but its decode steps' logits differ from transformers' own by up to 2.4e-7 even with every "
-             "expert hot (its prefill is bit-identical); not yet explained",
+             "expert hot (its prefill is bit-identical); not yet explained, and pack does not refuse it yet",
 }
 
 README = Path(__file__).resolve().parents[1] / "README.md"
