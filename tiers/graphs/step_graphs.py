@@ -78,6 +78,9 @@ class StepGraphs:
         self.keep_logits = "logits_to_keep" in params
         text = model.config.get_text_config(decoder=True)
         self.text_config = text
+        # Eager attention builds its float mask with a host-to-device copy (transformers' eager_mask),
+        # which a capture refuses: the step passes the mask by layer type instead (``_eager_masks``).
+        self.eager_attention = getattr(model.config, "_attn_implementation", None) == "eager" and bool(getattr(text, "layer_types", None))
         self.top_k = getattr(text, "num_experts_per_tok", None)
         self.enabled = enabled and self.top_k is not None
         self._graph = graph
@@ -189,9 +192,21 @@ class StepGraphs:
                     kw["cache_position"] = position
                 if self.keep_logits:
                     kw["logits_to_keep"] = 1
+                if self.eager_attention:
+                    kw["attention_mask"] = self._eager_masks(position)
                 return self.forward(input_ids=ids, **kw).logits
         finally:
             mgr.phase.in_step = False
+
+    def _eager_masks(self, position: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Eager attention's mask of one token at ``position`` over the static cache, by layer type:
+        0 where a key position is at most ``position``, the dtype's minimum after; what
+        transformers' eager_mask gives, made on the device (step graphs run only where every layer
+        is full attention, ``_why_not``)."""
+        dtype = self.kv[0].dtype
+        later = torch.arange(self.capacity, device=position.device) > position  # [capacity]
+        mask = torch.zeros(1, 1, 1, self.capacity, dtype=dtype, device=position.device).masked_fill_(later, torch.finfo(dtype).min)
+        return {t: mask for t in set(self.text_config.layer_types)}
 
     # -- the two caches -----------------------------------------------------------------------
     def _fit(self, positions: int, dyn: Any) -> None:

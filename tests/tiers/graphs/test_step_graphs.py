@@ -408,3 +408,33 @@ def test_the_stats_table_says_what_step_graphs_did(device, packed_factory):
     assert "read inside step graphs, untimed" in text
     d = tiers.stats(model).as_dict()
     assert d["step_graphs"]["steps"] == NEW - 1 and d["untimed_bytes"] > 0
+
+
+@pytest.mark.parametrize("position", [0, 5, 15])
+def test_eager_masks_are_transformers_own(position):
+    """Eager attention's mask, made on the device for a captured step, equals transformers' eager
+    mask of one token at ``position`` over a static cache, bit for bit, for each layer type."""
+    from transformers.masking_utils import causal_mask_function, eager_mask
+
+    steps = object.__new__(StepGraphs)
+    steps.capacity, steps.kv = 16, [torch.zeros(1, 1, 16, 4, dtype=torch.bfloat16)]
+    steps.text_config = type("Text", (), {"layer_types": ["full_attention", "full_attention"]})()
+    got = steps._eager_masks(torch.tensor([position]))
+    want = eager_mask(batch_size=1, q_length=1, kv_length=16, q_offset=position, mask_function=causal_mask_function,
+                      dtype=torch.bfloat16)
+    assert list(got) == ["full_attention"] and torch.equal(got["full_attention"], want)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
+def test_eager_attention_steps_pass_their_masks(model_type, packed_bf16, monkeypatch):
+    """A model with eager attention (GPT-OSS's default) gets its masks from the step, not from
+    transformers' eager_mask, whose host-to-device copy a CUDA capture refuses; one with SDPA
+    builds its own."""
+    model, mgr = _load(packed_bf16(model_type), torch.device("cpu"))
+    calls = []
+    real = StepGraphs._eager_masks
+    monkeypatch.setattr(StepGraphs, "_eager_masks", lambda self, position: calls.append(int(position)) or real(self, position))
+    model.generate(_prompt(torch.device("cpu")), **GEN)
+    eager = model.config._attn_implementation == "eager"
+    assert mgr.steps.eager_attention == eager == (model_type == "gpt_oss")
+    assert len(calls) == (NEW - 1 if eager else 0) and calls == sorted(calls)
