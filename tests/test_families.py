@@ -80,6 +80,22 @@ def test_family_is_bit_identical_through_three_tiers(model_type, family_checkpoi
     assert_bit_identical(ref, model, prompt("cpu", 1, families.SEQ), GEN)
 
 
+def test_dense_weights_sit_in_storage_of_their_own(family_checkpoint, tmp_path):
+    """Tiers' dense weights on the CPU, and the reference's, are copies torch allocated (64-byte
+    aligned), not views at the offsets of a file's bytes: the CPU's float32 matrix-vector kernels
+    sum in an order set by the weight's alignment, so HY-V4's float32 lm_head gave decode logits
+    2.4e-7 apart from a reference whose weights sat where the safetensors header left them."""
+    src = family_checkpoint("hy_v4")
+    pack(src, tmp_path / "packed", precisions=["bf16"], progress=False)
+    model = tiers.load(tmp_path / "packed", BF16_THREE_TIERS, device="cpu", progress=False)
+    experts = {f"{name}." for name, _ in find_experts_modules(model).values()}
+    for who, m in (("tiers", model), ("reference", reference(src, "cpu"))):
+        dense = {n: p for n, p in m.named_parameters() if not any(n.startswith(e) for e in experts)}
+        assert dense and m.lm_head.weight.dtype == torch.float32, who
+        odd = {n: p.data_ptr() % 64 for n, p in dense.items() if p.data_ptr() % 64}
+        assert not odd, f"{who}: dense weights off 64-byte alignment: {odd}"
+
+
 def _assert_dense_as_transformers_loads(packed, ref) -> None:
     """Every packed dense tensor equals what ``from_pretrained`` put in the model (renamed and
     converted by the same rules), bit for bit."""

@@ -29,6 +29,7 @@ def reference(src, device, *, batched_decode: bool = False):
     """transformers' model of checkpoint ``src`` on ``device`` (bf16, default experts implementation);
     ``batched_decode``: generate's decode stage runs batched_mm on every device, as on a GPU."""
     ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).to(device).eval()
+    own_storage(ref)
     if batched_decode:
         @contextlib.contextmanager
         def optimize_for_decode():
@@ -41,6 +42,24 @@ def reference(src, device, *, batched_decode: bool = False):
 
         ref._optimize_model_for_decode = optimize_for_decode
     return ref
+
+
+def own_storage(model: torch.nn.Module) -> None:
+    """Give every parameter and buffer of ``model`` a copy in storage of its own, allocated by torch.
+
+    ``from_pretrained`` on the CPU leaves the weights mapped from the safetensors file, each at the
+    address its byte offset in the file gives; the CPU's float32 matrix-vector kernels sum in an order
+    that depends on the weight's alignment, so such a reference's decode logits depend on the file's
+    header length (HY-V4's float32 lm_head: 2.4e-7). Moving to a GPU copies anyway; this copies on
+    any device, as Tiers' load does, so both run their kernels on allocator-aligned weights.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[name] = buf.clone()
 
 
 def assert_generate_equal(a, b) -> None:

@@ -75,7 +75,11 @@ def _load_dense(model: torch.nn.Module, manifest: Manifest, expert_params: set[s
             ref = expected[key]
             if tuple(t.shape) != tuple(ref.shape):
                 raise FormatError(f"{path}: {key!r} has shape {tuple(t.shape)}, the model expects {tuple(ref.shape)}")
-            loaded[key] = t.to(device=device, dtype=ref.dtype)
+            # a copy torch allocates (64-byte aligned) even on the CPU: a tensor parsed from the file's
+            # bytes lies in memory torch did not allocate, at whatever alignment that has, and the CPU's
+            # float32 matrix-vector kernels sum in an order that depends on the weight's alignment
+            # (HY-V4's float32 lm_head: decode logits moved by 2.4e-7)
+            loaded[key] = t.to(device=device, dtype=ref.dtype, copy=True)
     model.load_state_dict(loaded, strict=False, assign=True)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
