@@ -114,6 +114,23 @@ def layer_calls(model, tokens: int, seed: int = 3):
         yield layer, name, mod, x, idx, w
 
 
+def tiered_call(model, mgr, tokens: int = 64, seed: int = 3):
+    """``layer_calls``' first call on a layer that is not all hot (so it runs through the tiers)."""
+    return next(c for c in layer_calls(model, tokens, seed=seed) if not mgr.resident.qualifies(c[0]))
+
+
+def spied_tiered_call(model, mgr, ref, monkeypatch, seed: int):
+    """``tiered_call`` run once with its plans spied (``spy_plans``), its output checked bit for
+    bit against ``ref``'s module: the call, the plans and that output."""
+    call = tiered_call(model, mgr, seed=seed)
+    _, name, mod, x, idx, w = call
+    plans = spy_plans(monkeypatch, mgr)
+    with torch.no_grad():
+        want = ref.get_submodule(name)(x, idx, w)
+        assert torch.equal(mod(x, idx, w), want)
+    return call, plans, want
+
+
 def assert_consistent(mgr) -> None:
     """Every invariant of the table holds, no slot is held, and no path kept a reservation."""
     mgr.table.check()

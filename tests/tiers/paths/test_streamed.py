@@ -22,7 +22,7 @@ from tiers.loader.layout import ExpertKey
 from tiers.paths import streamed as streamed_mod
 from tiers.paths.streamed import StreamedPath
 from tiers.store.table import Home, SlotState
-from untiered import assert_consistent, layer_calls, reference, spy_paths, spy_plans
+from untiered import assert_consistent, layer_calls, reference, spy_paths, spied_tiered_call
 
 # a quarter of the GPU, every other expert warm; 4 staging slots: parts of 2 misses
 WARM = {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}
@@ -174,12 +174,8 @@ def test_a_streamed_call_leaves_its_slots_cached_and_the_next_uses_them_in_place
     model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), device)
     mgr = manager_of(model)
     _host_routed(monkeypatch, mgr)
-    layer, name, mod, x, idx, w = next(c for c in layer_calls(model, 64, seed=7) if not mgr.resident.qualifies(c[0]))
+    (layer, name, mod, x, idx, w), plans, want = spied_tiered_call(model, mgr, ref, monkeypatch, seed=7)
     pool = mgr.pool_of[layer]
-    plans = spy_plans(monkeypatch, mgr)
-    with torch.no_grad():
-        want = ref.get_submodule(name)(x, idx, w)
-        assert torch.equal(mod(x, idx, w), want)
     first = plans[-1]
     last = {slot: e for p in range(len(first.parts)) for e, slot in zip(first.parts[p], first.part_slots[p])}
     assert sorted(last) == list(pool.staging), "every staging slot ends holding the last part written into it"

@@ -20,7 +20,7 @@ from tiers.paths import whole as whole_mod
 from tiers.paths.dispatch import Path, dispatch
 from tiers.paths.streamed import KEY_END, Stream, Whole
 from tiers.paths.whole import Plan
-from untiered import assert_consistent, layer_calls, reference, spy_paths, spy_plans
+from untiered import assert_consistent, layer_calls, reference, spy_paths, spied_tiered_call, tiered_call
 
 
 def _tiers(precision: str = "bf16", fraction: float = 0.4, **extra) -> dict:
@@ -171,7 +171,7 @@ def test_a_whole_layer_call_uploads_its_plan_on_the_copy_stream_before_its_reads
     model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), device)
     mgr = manager_of(model)
     ref = reference(checkpoint_factory("qwen3_moe"), device)
-    layer, name, mod, x, idx, w = next(c for c in layer_calls(model, 64, seed=2) if not mgr.resident.qualifies(c[0]))
+    layer, name, mod, x, idx, w = tiered_call(model, mgr, seed=2)
     assert _whole_now(mgr, layer, idx)
     log = []
     upload, part = mgr.uploads.int_lists, mgr.streamed.read_part
@@ -192,7 +192,7 @@ def test_a_whole_layer_call_counts_the_experts_it_read_in_vain(device, packed_fa
     reads only what it uses; one that uses them all makes the next one whole again."""
     model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), device)
     mgr = manager_of(model)
-    layer, _, mod, x, idx, w = next(c for c in layer_calls(model, 64, seed=2) if not mgr.resident.qualifies(c[0]))
+    layer, _, mod, x, idx, w = tiered_call(model, mgr, seed=2)
     assert layer != mgr.whole.last_layer, "the last layer's call would count itself at once"
     warm = [e for e in range(8) if mgr.table[ExpertKey(layer, e)].slot is None]
     unused = warm[:2]
@@ -238,12 +238,8 @@ def test_a_whole_call_uses_the_experts_cached_in_its_slots_in_place(device, chec
     model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), device)
     mgr = manager_of(model)
     ref = reference(checkpoint_factory("qwen3_moe"), device)
-    layer, name, mod, x, idx, w = next(c for c in layer_calls(model, 64, seed=7) if not mgr.resident.qualifies(c[0]))
+    (layer, name, mod, x, idx, w), plans, want = spied_tiered_call(model, mgr, ref, monkeypatch, seed=7)
     pool = mgr.pool_of[layer]
-    plans = spy_plans(monkeypatch, mgr)
-    with torch.no_grad():
-        want = ref.get_submodule(name)(x, idx, w)
-        assert torch.equal(mod(x, idx, w), want)
     cached = {mgr.table.occupant(pool.index, s) for s in pool.staging} - {None}
     assert {k.layer for k in cached} == {layer} and len(cached) == len(pool.staging)
     used = {ExpertKey(layer, e) for e in _used(idx.cpu())}
@@ -342,7 +338,7 @@ def test_a_whole_layer_call_runs_its_held_experts_after_parts_0_and_1(packed_fac
     part 2's reads, which wait for part 0's kernels, run while they do."""
     model = _load(packed_factory("qwen3_moe"), _tiers(), "cpu")
     mgr = manager_of(model)
-    layer, _, mod, x, idx, w = next(c for c in layer_calls(model, 64, seed=5) if not mgr.resident.qualifies(c[0]))
+    layer, _, mod, x, idx, w = tiered_call(model, mgr, seed=5)
     order = []
     end_part, wait_all = mgr.streamed.end_part, mgr.slots.wait_all
     monkeypatch.setattr(mgr.streamed, "end_part", lambda s, p: order.append(p) or end_part(s, p))
