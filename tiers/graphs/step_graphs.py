@@ -32,8 +32,9 @@ How a step runs:
 A step qualifies when: the manager says it is generate's decode stage; one sequence, one token;
 the call passes only what generate passes (ids, positions, cache, mask, flags; without
 positions, the token goes at the cache's end, as the model would put it); generate's cache is a
-dynamic cache of full-attention layers only, keys and values of one head size (not DeepSeek's
-MLA); the attention mask, if any, is all ones (read once per decode stage: one sync); and every
+dynamic cache of full-attention layers, keys and values of one head size (not DeepSeek's MLA),
+or of full and sliding-window layers under eager attention (GPT-OSS: the static cache holds
+every position of a sliding layer too, and the step's own masks hide those outside the window); the attention mask, if any, is all ones (read once per decode stage: one sync); and every
 MoE layer runs static or direct this step; and every forward hook set on the model's modules (or
 on all modules) is marked ``graph_safe`` (a graph replays what a hook did at the capture: only
 its kernels). Otherwise the step runs op by op, counted by reason in ``report()``. A graph
@@ -81,6 +82,10 @@ class StepGraphs:
         # Eager attention builds its float mask with a host-to-device copy (transformers' eager_mask),
         # which a capture refuses: the step passes the mask by layer type instead (``_eager_masks``).
         self.eager_attention = getattr(model.config, "_attn_implementation", None) == "eager" and bool(getattr(text, "layer_types", None))
+        # sliding-window layers: served only where the step makes the masks (it hides what the window does not see)
+        types = set(getattr(text, "layer_types", None) or ())
+        self.window = text.sliding_window if "sliding_attention" in types and self.eager_attention else None
+        self.layer_kinds_ok = types <= {"full_attention", "sliding_attention"} and ("sliding_attention" not in types or self.window)
         self.top_k = getattr(text, "num_experts_per_tok", None)
         self.enabled = enabled and self.top_k is not None
         self._graph = graph
@@ -135,7 +140,7 @@ class StepGraphs:
             return "hooks"
         self.hooks = hooks
         dyn = kwargs.get(self.cache_kw)
-        if not _plain_dynamic(dyn):
+        if not (self.layer_kinds_ok and _plain_dynamic(dyn, sliding=self.window is not None)):
             return "cache"
         if self.dyn is not None and dyn is not self.dyn:
             return "cache"  # another cache within one stage: left to the model
@@ -200,13 +205,18 @@ class StepGraphs:
 
     def _eager_masks(self, position: torch.Tensor) -> dict[str, torch.Tensor]:
         """Eager attention's mask of one token at ``position`` over the static cache, by layer type:
-        0 where a key position is at most ``position``, the dtype's minimum after; what
-        transformers' eager_mask gives, made on the device (step graphs run only where every layer
-        is full attention, ``_why_not``)."""
+        0 where a key position is at most ``position`` (and, in a sliding layer, more than
+        ``position - window``), the dtype's minimum elsewhere; what transformers' eager_mask gives,
+        made on the device. A sliding layer's static cache holds every position; those the window
+        leaves out (stale, or never copied in) get the minimum, so they weigh exactly 0."""
         dtype = self.kv[0].dtype
-        later = torch.arange(self.capacity, device=position.device) > position  # [capacity]
-        mask = torch.zeros(1, 1, 1, self.capacity, dtype=dtype, device=position.device).masked_fill_(later, torch.finfo(dtype).min)
-        return {t: mask for t in set(self.text_config.layer_types)}
+        keys = torch.arange(self.capacity, device=position.device)  # [capacity]
+        hidden = {"full_attention": keys > position}
+        if "sliding_attention" in self.text_config.layer_types:
+            hidden["sliding_attention"] = (keys > position) | (keys <= position - self.window)
+        low = torch.finfo(dtype).min
+        return {t: torch.zeros(1, 1, 1, self.capacity, dtype=dtype, device=position.device).masked_fill_(hidden[t], low)
+                for t in set(self.text_config.layer_types)}
 
     # -- the two caches -----------------------------------------------------------------------
     def _fit(self, positions: int, dyn: Any) -> None:
@@ -215,6 +225,7 @@ class StepGraphs:
         if self.cache is not None and positions <= self.capacity:
             return
         from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
 
         size = max(self.MIN_POSITIONS, self.capacity)
         while size < positions:
@@ -222,6 +233,9 @@ class StepGraphs:
         first = dyn.layers[0].keys
         with torch.inference_mode(False), torch.no_grad():  # kept across calls, some outside inference mode
             cache = StaticCache(config=self.text_config, max_cache_len=size)
+            # a sliding layer gets a full one: the step's masks do the window (``_eager_masks``)
+            cache.layers = [StaticLayer(max_cache_len=size) if getattr(layer, "is_sliding", False) else layer
+                            for layer in cache.layers]
             cache.early_initialization(batch_size=1, num_heads=first.shape[1], head_dim=first.shape[-1], dtype=first.dtype,
                                        device=first.device)
             if self.cache is not None and self.static_len:
@@ -240,10 +254,14 @@ class StepGraphs:
         self.graphs = GraphCache(self.mgr.device, self.graphs.enabled, graph=self._graph)
 
     def _copy_in(self, dyn: Any, start: int, end: int) -> None:
-        """Positions [start, end) of generate's cache into the static one."""
+        """Positions [start, end) of generate's cache into the static one; a sliding layer holds
+        only its last positions (``first`` on), and gives those of [start, end) it has."""
         for s, d in zip(self.cache.layers, dyn.layers):
-            s.keys[:, :, start:end].copy_(d.keys[:, :, start:end])
-            s.values[:, :, start:end].copy_(d.values[:, :, start:end])
+            first = d.get_seq_length() - d.keys.shape[-2]  # the sequence position of d.keys[:, :, 0]
+            lo = max(start, first)
+            if lo < end:
+                s.keys[:, :, lo:end].copy_(d.keys[:, :, lo - first:end - first])
+                s.values[:, :, lo:end].copy_(d.values[:, :, lo - first:end - first])
 
     def _give_back(self) -> None:
         """Generate's cache gets the positions only the static cache holds (the graph wrote them),
@@ -314,12 +332,14 @@ def _safe_hooks(modules: list[torch.nn.Module]) -> tuple | None:
     return tuple(found)
 
 
-def _plain_dynamic(cache: Any) -> bool:
-    """A transformers DynamicCache whose layers are all full-attention ones, each already filled."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+def _plain_dynamic(cache: Any, sliding: bool = False) -> bool:
+    """A transformers DynamicCache whose layers are all full-attention ones (or, with ``sliding``,
+    full and sliding-window ones), each already filled."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+    kinds = (DynamicLayer, DynamicSlidingWindowLayer) if sliding else (DynamicLayer,)
     return (type(cache) is DynamicCache and bool(cache.layers)
-            and all(type(layer) is DynamicLayer and getattr(layer, "keys", None) is not None and layer.keys.numel()
+            and all(type(layer) in kinds and getattr(layer, "keys", None) is not None and layer.keys.numel()
                     and layer.keys.shape == layer.values.shape  # keys and values of one head size (not MLA's)
                     for layer in cache.layers))
 

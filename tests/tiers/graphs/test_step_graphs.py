@@ -137,17 +137,53 @@ def test_graph_steps_close_to_decode_on_the_dynamic_cache(model_type, device, pa
     assert tiers.stats(model).step_graphs["steps"] == NEW - 1
 
 
-def test_sliding_window_layers_keep_steps_op_by_op(device, packed_factory):
-    """GPT-OSS as configured (sliding-window layers between full-attention ones): generate's cache
-    has sliding layers, which a step graph's static cache does not mirror, so every decode step
-    runs op by op, counted under "cache", exactly as with step graphs off."""
-    packed = packed_factory("gpt_oss", ("bf16",))
+@pytest.fixture(scope="module")
+def packed_sliding(tmp_path_factory):
+    """GPT-OSS as configured (sliding-window layers between full-attention ones), with a window of
+    4 positions, shorter than the prompt, so that each sliding layer's cache drops positions."""
+    d = tmp_path_factory.mktemp("gpt_oss-sliding")
+    src = save_tiny("gpt_oss", d / "hf", sliding_window=4)
+    pack(src, d / "packed", precisions=("bf16",), progress=False)
+    return d / "packed"
+
+
+def test_sliding_window_layers_run_as_graph_steps(device, packed_sliding):
+    """Every decode step but the first runs from the graph; the steps equal the same static-cache
+    steps op by op bit for bit, and are close to decode on generate's own cache, whose sliding
+    layers keep only their window (with the window left out of the step's masks, greedy tokens
+    part from the first graph step on the CPU). What generate returns holds every position."""
     ids = _prompt(device)
-    model, _ = _load(packed, device)
+    model, mgr = _load(packed_sliding, device)
+    assert {"sliding_attention", "full_attention"} == set(model.config.layer_types)
+    out = model.generate(ids, **GEN)
+    s = tiers.stats(model).step_graphs
+    assert s["steps"] == NEW - 1 and s["eager"] == {}, s
+
+    plain, pmgr = _load(packed_sliding, device)
+    pmgr.steps.graphs.enabled = False  # the same steps, op by op
+    again = plain.generate(ids, **GEN)
+    assert torch.equal(out.sequences, again.sequences)
+    for step, (a, b) in enumerate(zip(out.logits, again.logits)):
+        assert torch.equal(a, b), f"decode step {step}"
+
+    ref = _load(packed_sliding, device, steps=False)[0].generate(ids, **GEN)
+    assert_close_to(ref, out)
+    got, want = _cache_of(out), _cache_of(ref)
+    assert got.get_seq_length() == want.get_seq_length() == ids.shape[1] + NEW - 1
+    for i, (a, b) in enumerate(zip(got.layers, want.layers)):
+        assert a.keys.shape == b.keys.shape and _sqnr(b.keys, a.keys) >= 40.0, f"layer {i}"
+
+
+def test_sliding_layers_without_the_steps_masks_keep_steps_op_by_op(device, packed_sliding):
+    """Sliding layers under an attention whose masks transformers builds (not eager) have no
+    step-made window: every decode step runs op by op, counted under "cache"."""
+    ids = _prompt(device)
+    model, mgr = _load(packed_sliding, device)
+    mgr.steps.window, mgr.steps.layer_kinds_ok = None, False  # what a non-eager attention gets
     out = model.generate(ids, **GEN)
     s = tiers.stats(model).step_graphs
     assert s["steps"] == 0 and s["eager"] == {"cache": NEW - 1}, s
-    plain = _load(packed, device, steps=False)[0].generate(ids, **GEN)
+    plain = _load(packed_sliding, device, steps=False)[0].generate(ids, **GEN)
     assert torch.equal(out.sequences, plain.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.logits, plain.logits))
 
@@ -410,19 +446,21 @@ def test_the_stats_table_says_what_step_graphs_did(device, packed_factory):
     assert d["step_graphs"]["steps"] == NEW - 1 and d["untimed_bytes"] > 0
 
 
-@pytest.mark.parametrize("position", [0, 5, 15])
+@pytest.mark.parametrize("position", [0, 3, 5, 15])
 def test_eager_masks_are_transformers_own(position):
-    """Eager attention's mask, made on the device for a captured step, equals transformers' eager
-    mask of one token at ``position`` over a static cache, bit for bit, for each layer type."""
-    from transformers.masking_utils import causal_mask_function, eager_mask
+    """Eager attention's masks, made on the device for a captured step, equal transformers' eager
+    masks of one token at ``position`` over a static cache, bit for bit, for each layer type:
+    the causal one, and the sliding-window one (window 4) over a cache that holds every position."""
+    from transformers.masking_utils import causal_mask_function, eager_mask, sliding_window_causal_mask_function
 
     steps = object.__new__(StepGraphs)
-    steps.capacity, steps.kv = 16, [torch.zeros(1, 1, 16, 4, dtype=torch.bfloat16)]
-    steps.text_config = type("Text", (), {"layer_types": ["full_attention", "full_attention"]})()
+    steps.capacity, steps.kv, steps.window = 16, [torch.zeros(1, 1, 16, 4, dtype=torch.bfloat16)], 4
+    steps.text_config = type("Text", (), {"layer_types": ["sliding_attention", "full_attention"]})()
     got = steps._eager_masks(torch.tensor([position]))
-    want = eager_mask(batch_size=1, q_length=1, kv_length=16, q_offset=position, mask_function=causal_mask_function,
-                      dtype=torch.bfloat16)
-    assert list(got) == ["full_attention"] and torch.equal(got["full_attention"], want)
+    want = {t: eager_mask(batch_size=1, q_length=1, kv_length=16, q_offset=position, mask_function=f, dtype=torch.bfloat16)
+            for t, f in (("full_attention", causal_mask_function), ("sliding_attention", sliding_window_causal_mask_function(4)))}
+    assert set(got) == set(want) and all(torch.equal(got[t], want[t]) for t in want)
+    assert (want["sliding_attention"] == 0).sum() == min(position + 1, 4)
 
 
 @pytest.mark.parametrize("model_type", ["gpt_oss", "qwen3_moe"])
