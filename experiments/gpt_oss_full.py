@@ -25,6 +25,10 @@ runs in a process of its own, so that each one's peak host RSS (VmHWM) is its ow
   a ``--prefill``-token prefill (median of ``--reps`` after a warm-up), the bytes each moves,
   peak GPU memory and the greedy tokens.
 
+Host memory per phase: VmHWM, and the peak of RssAnon sampled every 10 ms (VmHWM also counts the
+pages of the files a phase maps, which the page cache can drop; RssAnon is what it allocated,
+pinned pool included).
+
 Bounds: a decode token's (a prefill's) bytes over 55 GB/s, the H2D rate LIMITS.md gives; and
 that plus the all-hot arm's time, the bench's bound (``tools.bench_bounds``).
 """
@@ -66,12 +70,38 @@ def config(shape: dict):
     return GptOssConfig(num_hidden_layers=layers, layer_types=["sliding_attention", "full_attention"] * (layers // 2), **kw)
 
 
-def vm_hwm_mb() -> float:
-    """This process's peak resident set (VmHWM), MB."""
+def _status_mb(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def vm_hwm_mb() -> float:
+    """This process's peak resident set (VmHWM), MB: mapped file pages it touched count too."""
+    return _status_mb("VmHWM")
+
+
+class AnonPeak:
+    """The peak of this process's anonymous resident memory (RssAnon: not the page cache's
+    mapped file pages, which VmHWM also counts), sampled every 10 ms on a thread, MB."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status_mb("RssAnon"))
+            self._stop.wait(0.01)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _status_mb("RssAnon"))
 
 
 def _random(name: str, shape: tuple, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
@@ -147,7 +177,7 @@ def arm(packed: Path, name: str, args, device) -> dict:
     t0 = time.perf_counter()
     model = tiers.load(packed, cfg, device=device, progress=False)
     sync(device)
-    out = {"config": cfg, "load_s": time.perf_counter() - t0, "load_vm_hwm_mb": vm_hwm_mb()}
+    out = {"config": cfg, "load_s": time.perf_counter() - t0, "load_vm_hwm_mb": vm_hwm_mb(), "load_rss_anon_mb": _status_mb("RssAnon")}
     placed = tiers.manifest(model)
     out["tiers"] = {t: sum(e["tier"] == t for e in placed["experts"]) for t in ("gpu", "cpu", "nvme")}
     out["hot"] = sum(e["hot"] for e in placed["experts"])
@@ -244,6 +274,7 @@ def main() -> int:
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.phase:
         work = Path(args.work)
+        anon = AnonPeak()
         t0 = time.perf_counter()
         if args.phase == "write":
             result = write(work / "hf", shape, device)
@@ -252,7 +283,7 @@ def main() -> int:
             Path(work, "expert_bytes.json").write_text(json.dumps(expert_bytes(work / "packed")))
         else:
             result = arm(work / "packed", args.arm, args, device)
-        result.update(seconds=time.perf_counter() - t0, vm_hwm_mb=vm_hwm_mb())
+        result.update(seconds=time.perf_counter() - t0, vm_hwm_mb=vm_hwm_mb(), peak_rss_anon_mb=anon.stop())
         Path(work, f"{args.phase}{'-' + args.arm if args.arm else ''}.json").write_text(json.dumps(result))
         return 0
     own = args.work is None
