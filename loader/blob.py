@@ -54,6 +54,7 @@ class BlobLayout:
     fields: tuple[PlacedField, ...]
     nbytes: int
     transposed: bool = False  # the layout's weights are stored [in, out]: per-output-row scales run along columns
+    options: tuple[tuple[str, int], ...] = ()  # the encoder's settings (int4's group size), as the manifest records them
 
     @cached_property
     def tensor_spans(self) -> tuple[tuple[str, int, int], ...]:
@@ -80,7 +81,7 @@ class BlobLayout:
             w = tensors[name]
             if tuple(w.shape) != shape:
                 raise ValueError(f"expert tensor {name!r} has shape {tuple(w.shape)}, layout says {shape}")
-            q = scheme.quantize(w, **_columns(scheme, self.transposed, shape))
+            q = scheme.quantize(w, **_kwargs(scheme, self.transposed, shape, dict(self.options)))
             for pf in self.fields:
                 if pf.tensor == name:
                     src = q.data[pf.spec.name].contiguous().view(-1).view(torch.uint8)
@@ -117,6 +118,7 @@ class BlobLayout:
     def to_json(self) -> dict:
         return {
             "precision": self.precision,
+            **({"options": dict(self.options)} if self.options else {}),
             "nbytes": self.nbytes,
             "stride": self.stride,
             "fields": [
@@ -126,20 +128,42 @@ class BlobLayout:
         }
 
 
-def _columns(scheme, transposed: bool, shape: tuple[int, ...]) -> dict:
-    """The keyword that makes a scheme with per-output-row scales scale a transposed weight
-    (``[in, out]``) per column; none for other schemes, tensors or layouts."""
-    return {"columns": True} if transposed and len(shape) >= 2 and getattr(scheme, "per_output_row", False) else {}
+def _kwargs(scheme, transposed: bool, shape: tuple[int, ...], options: dict) -> dict:
+    """A scheme's keywords for one tensor: ``columns`` makes a scheme with per-output-row scales
+    scale a transposed weight (``[in, out]``) per column; ``options`` are its settings."""
+    kw = dict(options)
+    if transposed and len(shape) >= 2 and getattr(scheme, "per_output_row", False):
+        kw["columns"] = True
+    return kw
 
 
-def blob_layout(layout: ExpertLayout, precision: str) -> BlobLayout:
+def scheme_options(precision: str, options: dict | None) -> tuple[tuple[str, int], ...]:
+    """The settings a precision's encoder takes among ``options`` (int4: ``group``), checked: a
+    ValueError names the precision and the setting it does not take."""
+    options = dict(options or {})
+    takes_group = getattr(quant.get_scheme(precision), "takes_group", False)
+    allowed = {"group"} if takes_group else set()
+    for k, v in options.items():
+        if k not in allowed:
+            raise ValueError(f"precision {precision!r} takes no setting {k!r}" + (f"; it takes {sorted(allowed)}" if allowed else ""))
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"precision {precision!r}: setting {k!r} must be an integer, got {v!r}")
+    if takes_group:  # recorded even when not asked for, so that a load can check it
+        options.setdefault("group", quant.get_scheme(precision).default_group)
+    return tuple(sorted(options.items()))
+
+
+def blob_layout(layout: ExpertLayout, precision: str, options: dict | None = None) -> BlobLayout:
+    """Where each field of an expert of ``layout`` goes in a blob of ``precision``, its encoder
+    set by ``options`` (``scheme_options``)."""
     scheme = quant.get_scheme(precision)
+    opts = scheme_options(precision, options)
     placed: list[PlacedField] = []
     offset = 0
     for t in layout.tensors:
-        for spec in scheme.fields(t.shape, **_columns(scheme, layout.is_transposed, t.shape)):
+        for spec in scheme.fields(t.shape, **_kwargs(scheme, layout.is_transposed, t.shape, dict(opts))):
             offset = align(offset, FIELD_ALIGN)
             placed.append(PlacedField(t.name, spec, offset))
             offset += spec.nbytes
     shapes = tuple((t.name, t.shape) for t in layout.tensors)
-    return BlobLayout(precision, shapes, tuple(placed), offset, layout.is_transposed)
+    return BlobLayout(precision, shapes, tuple(placed), offset, layout.is_transposed, opts)

@@ -143,8 +143,13 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
     blobs = {}
     stored = p.get(entry, "blobs", dict, field)
     for prec in precisions:
-        bl = blob_layout(layout, prec)
-        if stored.get(prec) != bl.to_json():
+        doc = stored.get(prec)
+        options = doc.get("options") if isinstance(doc, dict) else None
+        try:
+            bl = blob_layout(layout, prec, options if isinstance(options, dict) else None)
+        except (TypeError, ValueError) as e:
+            raise p.fail(f"{field}.blobs.{prec}.options", show(e)) from None
+        if doc != bl.to_json():
             raise p.fail(f"{field}.blobs.{prec}", "differs from this build's blob layout for the layer's layout; re-pack")
         blobs[prec] = bl
     experts = p.get(entry, "experts", list, field)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig
 
 from .. import quant
-from .blob import BLOB_ALIGN, align, blob_layout
+from .blob import BLOB_ALIGN, align, blob_layout, scheme_options
 from .destination import StaleDir, check_apart, remove_stale, staging_dir
 from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
 from .lock import hold
@@ -271,6 +271,7 @@ def pack(
     progress: bool = True,
     device: str | torch.device = "cpu",
     routing: str | Path | Mapping | None = None,
+    options: Mapping[str, Mapping] | None = None,
 ) -> PackSummary:
     """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``,
     and always (ValueError) if ``dst`` is ``src``, lies inside it or contains it.
@@ -287,6 +288,9 @@ def pack(
     the experts for its hot and warm sets. It is checked against the source's MoE layers before
     anything is written.
 
+    ``options``: a precision's encoder settings, ``{"int4": {"group": 32}}`` (the YAML's
+    ``tiers.int4.group``; ``TiersConfig.pack_options``); the manifest records them per blob layout.
+
     ``device`` is where experts are quantized (one expert at a time); "cuda" speeds up large packs.
     bf16 blobs are the same bytes either way; INT8 blobs packed on a GPU have not been compared
     byte for byte with a CPU pack (the manifest's SQNR is computed on the device used).
@@ -294,6 +298,9 @@ def pack(
     t0 = time.perf_counter()
     src_path, dst = Path(src), Path(dst)
     precisions = _check_precisions(precisions)
+    options = {p: dict(o) for p, o in (options or {}).items() if p in precisions}
+    for p, o in options.items():
+        scheme_options(p, o)  # a ValueError naming the precision and the setting, before anything is read
     dev = _check_device(device)
     check_apart(src_path, dst)  # before the exists check, whose hint (--overwrite) would destroy the source here
     if os.path.lexists(dst) and not overwrite:  # early, before reading the source; claim checks again under the lock
@@ -317,7 +324,8 @@ def pack(
         tmp.mkdir()
         try:
             pack_doc = {"precisions": precisions, "source": src_path.name}
-            dense_files, bytes_per_precision = _write(source, config, plan, tmp, precisions, pack_doc, prior, progress, dev, t0)
+            dense_files, bytes_per_precision = _write(source, config, plan, tmp, (precisions, options), pack_doc, prior, progress,
+                                                      dev, t0)
             target.place(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -349,15 +357,17 @@ def _check_device(device) -> torch.device:
     return dev
 
 
-def _write(source, config, plan: _Plan, tmp: Path, precisions, pack_doc, prior, progress, dev, t0):
-    """Every file of the pack into ``tmp``, the manifest last; (dense files, bytes per precision)."""
+def _write(source, config, plan: _Plan, tmp: Path, encodings, pack_doc, prior, progress, dev, t0):
+    """Every file of the pack into ``tmp``, the manifest last; (dense files, bytes per precision).
+    ``encodings``: (the precisions, each one's encoder settings)."""
+    precisions, options = encodings
     carried = {}
     for f in source.carried_files():
         shutil.copy2(f, tmp / f.name)
         carried[f.name] = {"crc32": file_crc32(tmp / f.name), "nbytes": (tmp / f.name).stat().st_size}
     dense_files = _write_dense(source, plan, tmp)
     layer_docs, bytes_per_precision, expert_files = _write_experts(
-        source, plan.experts, plan.layouts, plan.sources, precisions, tmp, progress, dev
+        source, plan.experts, plan.layouts, plan.sources, (precisions, options), tmp, progress, dev
     )
     (tmp / MANIFEST).write_text(
         manifest_json(
@@ -421,14 +431,15 @@ def _write_dense(source: SourceCheckpoint, plan: _Plan, out: Path) -> dict[str, 
     return files
 
 
-def _write_experts(source, experts, layouts, sources, precisions, out: Path, progress: bool, device: torch.device):
+def _write_experts(source, experts, layouts, sources, encodings, out: Path, progress: bool, device: torch.device):
+    precisions, options = encodings
     total = sum(layouts[L].num_experts for L in layouts)
     bar = tqdm(total=total, desc="packing experts", unit="expert", disable=not progress)
     bytes_per_precision = dict.fromkeys(precisions, 0)
     layer_docs, expert_files = [], {}
     for layer, (module_name, _) in experts.items():
         layout = layouts[layer]
-        blobs = {p: blob_layout(layout, p) for p in precisions}
+        blobs = {p: blob_layout(layout, p, options.get(p)) for p in precisions}
         handles, data_start, rel = {}, {}, {}
         for p in precisions:
             rel[p] = f"experts/{p}/layer-{layer:04d}.safetensors"

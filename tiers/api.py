@@ -175,6 +175,19 @@ def _experts(model: PreTrainedModel, manifest: Manifest) -> dict[int, tuple[str,
     return modules
 
 
+def _check_pack_options(cfg: TiersConfig, manifest: Manifest) -> None:
+    """A config's pack settings (``tiers.int4.group``) are the pack's: a ValueError naming the key
+    and both values when not (they shape the packed blobs; a load cannot change them)."""
+    for precision, options in cfg.pack_options().items():
+        for L, entry in manifest.layers.items():
+            blob = entry.blobs.get(precision)
+            packed = dict(blob.options) if blob is not None else None
+            if packed is not None and any(packed.get(k) != v for k, v in options.items()):
+                key, value = next((k, v) for k, v in options.items() if packed.get(k) != v)
+                raise ValueError(f"tiers.{precision}.{key}: {value}, but {manifest.root} was packed with {precision} "
+                                 f"{key} {packed.get(key, 'default')}; re-pack it with this config, or leave the key out")
+
+
 def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None, *, device: str | torch.device | None = None,
          verify: str = "first", progress: bool = True, streams: Streams | None = None, routing: str | Path | dict | None = None) -> PreTrainedModel:
     """Load a packed checkpoint as a transformers model whose experts are served from the tiers.
@@ -188,6 +201,7 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     """
     cfg = load_config(config)
     manifest = read_manifest(path)
+    _check_pack_options(cfg, manifest)
     dev = _resolve_device(device)
     placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
     carried = verify_files(manifest)

@@ -64,11 +64,21 @@ class Rebalance:
 
 
 @dataclass(frozen=True)
+class Int4:
+    group: int | None = None  # int4's group size (pack; a load checks it against the pack's); None: quant.int4.GROUP
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     gpu: GpuTier = field(default_factory=GpuTier)
     cpu: CpuTier = field(default_factory=CpuTier)
     nvme: NvmeTier = field(default_factory=NvmeTier)
     rebalance: Rebalance = field(default_factory=Rebalance)
+    int4: Int4 = field(default_factory=Int4)
+
+    def pack_options(self) -> dict[str, dict]:
+        """What pack passes each precision's encoder (``loader.pack.pack``'s ``options``)."""
+        return {"int4": {"group": self.int4.group}} if self.int4.group is not None else {}
 
 
 def parse_size(value: Any, key: str) -> int:
@@ -137,6 +147,7 @@ KEYS = {
     "cpu": ("fraction", "budget", "precision"),
     "nvme": ("precision",),
     "rebalance": ("every_tokens", "window", "max_moves"),
+    "int4": ("group",),
 }
 
 
@@ -144,7 +155,7 @@ def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", set(KEYS))
-    g, c, n, r = (_check_keys(tiers.get(t), f"tiers.{t}", set(KEYS[t])) for t in KEYS)
+    g, c, n, r, i4 = (_check_keys(tiers.get(t), f"tiers.{t}", set(KEYS[t])) for t in KEYS)
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
@@ -161,7 +172,8 @@ def parse_config(doc: Any) -> TiersConfig:
             f"tiers.gpu.fraction + tiers.cpu.fraction must be <= 1 (nvme holds the rest), got "
             f"{show(gpu.size.fraction)} + {show(cpu.size.fraction)} = {show(gpu.size.fraction + cpu.size.fraction)}"
         )
-    return TiersConfig(gpu, cpu, nvme, _rebalance(r))
+    group = _int_in(i4, "tiers.int4", "group", 64, 2, 4096) if "group" in i4 else None
+    return TiersConfig(gpu, cpu, nvme, _rebalance(r), Int4(group))
 
 
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:

@@ -60,17 +60,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.dst:
         ap.error("the following arguments are required: dst")
-    precisions = list(DEFAULT_PRECISIONS)
+    precisions, options = list(DEFAULT_PRECISIONS), {}
     if args.config:
         try:
-            precisions = precisions_needed(load_config(args.config))
+            cfg = load_config(args.config)
+            precisions, options = precisions_needed(cfg), cfg.pack_options()
         except EXPECTED_ERRORS as e:
             return _error(e if args.config in str(e) else ValueError(f"--config {args.config!r}: {e}"), f"reading {args.config}")
     try:
         if args.precisions:
             precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
         summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device,
-                       routing=args.routing)
+                       routing=args.routing, options=options)
     except EXPECTED_ERRORS as e:
         return _error(e, f"packing {args.src} into {args.dst}")
     print(summary)

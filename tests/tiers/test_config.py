@@ -1,6 +1,6 @@
 """tiers.config: YAML -> TiersConfig, with every bad field a ValueError naming its dotted key.
 
-The schema is twelve keys (``tiers.config.KEYS``); every key the old core read and the new one
+The schema is thirteen keys (``tiers.config.KEYS``); every key the old core read and the new one
 dropped (A/B switches now constants, removed features) is refused as unknown, naming the allowed keys."""
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tiers.config import (
     precisions_needed,
 )
 
-PRECISIONS = ("bf16", "bnb8", "int8", "mxfp4")  # what quant registers; spelled out so a new scheme is a conscious change
+PRECISIONS = ("bf16", "bnb8", "int4", "int8", "mxfp4", "nf4")  # what quant registers; spelled out so a new scheme is a conscious change
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # The documented minimal YAML (tools/demo.py's DEMO_YAML), comments included.
@@ -116,7 +116,7 @@ bad_slots = st.one_of(
 )
 bad_precision = st.one_of(
     st.text(max_size=10).filter(lambda s: s not in PRECISIONS),
-    st.sampled_from(["INT8", "Int8", "bfloat16", "fp8", "int4", "nf4", " int8", "int8 "]),
+    st.sampled_from(["INT8", "Int8", "bfloat16", "fp8", "int3", "NF4", " int8", "int8 "]),
     st.none(),
     st.booleans(),
     st.integers(),
@@ -207,11 +207,12 @@ def test_bad_rebalance_int_names_key_value_and_range(name, data):
 
 _ALLOWED = {
     "config": {"tiers"},
-    "tiers": {"gpu", "cpu", "nvme", "rebalance"},
+    "tiers": {"gpu", "cpu", "nvme", "rebalance", "int4"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "graphs"},
     "tiers.cpu": {"fraction", "budget", "precision"},
     "tiers.nvme": {"precision"},
     "tiers.rebalance": {"every_tokens", "window", "max_moves"},
+    "tiers.int4": {"group"},
 }
 # Keys the old core read and the new one refuses: A/B switches with a measured winner (now constants),
 # the three graph switches (now ``graphs``), and removed features (host compute, the eager kernels,
@@ -229,12 +230,12 @@ OLD_VALUES = {"cache": "markov", "lfu_decay": 0.9, "compute": "grouped", "prefet
               "direct_io": False, "margin": 0.25, "significance": 3.0, "across_layers": False}
 
 
-def test_the_schema_is_the_twelve_documented_keys():
-    """At most 15 keys in all (the schema was 34 before the rewrite); exactly the twelve documented ones,
+def test_the_schema_is_the_thirteen_documented_keys():
+    """At most 15 keys in all (the schema was 34 before the rewrite); exactly the thirteen documented ones,
     and the parser accepts exactly what KEYS lists."""
     assert sum(len(v) for v in KEYS.values()) <= 15
     assert {f"tiers.{t}": set(v) for t, v in KEYS.items()} == {k: v for k, v in _ALLOWED.items() if k.startswith("tiers.")}
-    assert sum(len(v) for v in KEYS.values()) == 12
+    assert sum(len(v) for v in KEYS.values()) == 13
     assert all(len(set(v)) == len(v) for v in KEYS.values())
 
 
@@ -321,7 +322,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
         (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'fraction', 'graphs', 'precision', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
-        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'nvme', 'rebalance']"),
+        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'int4', 'nvme', 'rebalance']"),
         (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision']"),
         (at("tiers.cpu.compute", True), "tiers.cpu.compute: unknown key; allowed: ['budget', 'fraction', 'precision']"),
         (at("tiers.rebalance.margin", 0.5), "tiers.rebalance.margin: unknown key; allowed: ['every_tokens', 'max_moves', 'window']"),
@@ -331,7 +332,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.rebalance.max_moves", True), "tiers.rebalance.max_moves: expected an integer in [1, 1048576], got True"),
         (at("tiers.gpu.staging_slots", 0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 0"),
         (at("tiers.gpu.staging_slots", 2.0), "tiers.gpu.staging_slots: expected an integer in [1, 1024] or auto, got 2.0"),
-        (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int8', 'mxfp4']"),
+        (at("tiers.cpu.precision", "fp4"), "tiers.cpu.precision: unknown precision 'fp4'; allowed: ['bf16', 'bnb8', 'int4', 'int8', 'mxfp4', 'nf4']"),
         (at("tiers.gpu.budget", -5), "tiers.gpu.budget: a budget must be positive, got -5"),
         (at("tiers.gpu.budget", "0GiB"), "tiers.gpu.budget: a budget must be positive, got '0GiB'"),
         (
