@@ -344,8 +344,9 @@ def run(args, text: Text, precisions: list[str]) -> dict:
 def table(result: dict) -> str:
     u = result["unit"]
     head = f"{'precision':<10} {'bits/' + u + ' ref':>15} {'bits/' + u:>11} {'mean KL (nats)':>15} {'top-1':>7} {'greedy':>7}"
-    lines = [f"{result['pack']}: {result['windows']['count']} windows of {result['windows']['length']} {u}s "
-             f"({result['windows']['predictions']} predictions), against bf16", head]
+    title = (f"{result['pack']}: {result['windows']['count']} windows of {result['windows']['length']} {u}s "
+             f"({result['windows']['predictions']} predictions), against bf16")
+    lines = [title, head]
     for p, r in result["precisions"].items():
         g = r["greedy_agreement"]
         lines.append(f"{p:<10} {r[f'bits_per_{u}_ref']:>15.4f} {r[f'bits_per_{u}']:>11.4f} {r['mean_kl']:>15.3e} "

@@ -9,6 +9,7 @@ gives one a tokenizer or a larger vocabulary).
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -136,6 +137,22 @@ def test_windows_summed_by_batch_give_the_figures_of_one_forward():
     for name in ("bits_per_token_ref", "bits_per_token", "mean_kl", "top1_agreement"):
         assert getattr(summed, name) == pytest.approx(getattr(whole, name), rel=1e-5), name
     assert whole.mean_kl > 0.1 and quality.figures(ref, ref, ids).mean_kl == pytest.approx(0.0, abs=1e-6)
+
+
+def test_figures_by_hand():
+    """Two predictions over a vocabulary of 2, their distributions given as log-probabilities."""
+    p = [[0.25, 0.75], [0.8, 0.2]]  # the reference's next-token distributions at positions 0 and 1
+    q = [[2 / 3, 1 / 3], [0.75, 0.25]]  # the model under test's
+    ids = torch.tensor([[0, 1, 0]])  # position 0 predicts token 1, position 1 token 0
+    pad = [[0.5, 0.5]]  # the last position predicts nothing
+    f = quality.figures(torch.tensor([p + pad]).log(), torch.tensor([q + pad]).log(), ids)
+    assert f.predictions == 2
+    assert f.bits_per_token_ref == pytest.approx(-(math.log2(0.75) + math.log2(0.8)) / 2, rel=1e-6)
+    assert f.bits_per_token == pytest.approx(-(math.log2(1 / 3) + math.log2(0.75)) / 2, rel=1e-6)
+    kl = sum(pi * math.log(pi / qi) for pr, qr in zip(p, q) for pi, qi in zip(pr, qr)) / 2  # KL(p || q), not KL(q || p)
+    assert f.mean_kl == pytest.approx(kl, rel=1e-5)
+    assert f.top1_agreement == 0.5  # position 0: 1 against 0; position 1: 0 and 0
+    assert f.as_dict("byte")["bits_per_byte_ref"] == f.bits_per_byte_ref == f.bits_per_token_ref
 
 
 def test_eval_windows_span_the_text_from_first_token_to_last():
