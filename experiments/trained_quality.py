@@ -74,7 +74,7 @@ def main() -> None:
             per_window = [figures(ref_logits[w:w + 1], logits[w:w + 1], ids[w:w + 1]).mean_kl for w in range(args.windows)]
             result[arm] = {
                 "config": config,
-                **figures(ref_logits, logits, ids).as_dict(),
+                **figures(ref_logits, logits, ids).as_dict(unit="byte"),
                 "bit_identical": torch.equal(ref_logits, logits),
                 "mean_kl_stderr": statistics.stdev(per_window) / len(per_window) ** 0.5 if len(per_window) > 1 else None,
                 "mean_kl_per_window_min_max": [min(per_window), max(per_window)],
