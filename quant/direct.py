@@ -12,9 +12,11 @@ SMs: no copy engine, no staging buffer, and no host sync, since the picks never 
 device. Elsewhere (and without Triton) ``fetch_reference`` does the same with the schemes' own
 torch operations, so the two agree bit for bit (the tests compare them). Supported encodings:
 ``bf16`` (a copy) and ``int8`` (per-row or per-column scale, ``q * s`` in fp32 rounded to bf16,
-as ``quant.int8`` computes it; its exact tensors, biases, are bf16 copies). One launch decodes
-up to three tensors of one encoding; an expert of more, or of mixed encodings (an INT8 expert
-with biases), is decoded by one launch per group of them (``DirectExpert.groups``).
+as ``quant.int8`` computes it; its exact tensors, biases, are bf16 copies), and the 4-bit ones,
+``int4``, ``nf4`` and ``mxfp4``, each as its scheme dequantizes it (``quant.direct4_kernel``
+on CUDA). One launch decodes up to three tensors of one encoding; an expert of more, or of mixed
+encodings (an INT8 expert with biases), is decoded by one launch per group of them
+(``DirectExpert.groups``).
 
 Also ``fetch_cached``: the same over a ``SlotCache``, slots that keep what they decoded across
 calls. ``plan`` decides each pick's slot on the device (one program, the picks in order): a
@@ -37,7 +39,9 @@ from .launch import kernel_module
 
 # precision -> (the field holding the encoded data, the field of per-row scales or None)
 FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
+FOUR_BIT = ("int4", "nf4", "mxfp4")  # decoded from their own fields (``four_bit``)
 BLOCK = 8192  # elements one program of the kernel decodes
+TILE_R, TILE_C = 32, 128  # rows and codes of a row one program of the 4-bit kernel decodes
 MAX_BLOCKS = 65535  # programs per pick: the kernel's second grid dimension, as CUDA bounds it
 
 
@@ -46,12 +50,22 @@ class DirectTensor:
     """One tensor of an expert: where its fields sit in a blob, and the slab it decodes into."""
 
     out: torch.Tensor  # [n_slots, *shape], bf16: slot i is row i
-    data: int  # byte offset of the encoded data (bf16 values or int8 codes) within a blob
-    scale: int | None  # byte offset of the fp32 scales (int8), None for bf16
+    data: int  # byte offset of the encoded data (bf16 values, int8 or 4-bit codes) within a blob
+    scale: int | None  # byte offset of the scales (int8's fp32, int4's fp16, nf4's qabsmax, mxfp4's exponents), None for bf16
     cols: bool = False  # int8 scales per column (a weight stored [in, out]), else per row
+    kind: str = ""  # a 4-bit precision (``FOUR_BIT``), or "" for bf16 and int8
+    zero: int = 0  # 4-bit: byte offset of int4's zero points or nf4's absmax2
+    extra: int = 0  # 4-bit: byte offset of nf4's offset
+    rows: int = 0  # 4-bit: the storage's rows (R) and codes a row (C) and the group size (G), quant.direct4_kernel
+    cols_n: int = 0
+    group: int = 0
+    transposed: bool = False  # 4-bit: the slot holds the storage transposed ([C, R])
+    fields: tuple = ()  # 4-bit: (name, dtype, shape, byte offset) of each field, for the reference
 
     @property
-    def encoding(self) -> tuple[bool, bool]:
+    def encoding(self) -> tuple:
+        if self.kind:
+            return (self.kind, self.transposed)
         return (self.scale is not None, self.cols)
 
 
@@ -83,13 +97,35 @@ def _groups(tensors: tuple[DirectTensor, ...]) -> tuple[tuple[DirectTensor, ...]
 
 
 def supported(precision: str) -> bool:
-    return precision in FIELDS
+    return precision in FIELDS or precision in FOUR_BIT
+
+
+def four_bit(out: torch.Tensor, precision: str, fields: dict[str, tuple[torch.dtype, tuple[int, ...], int]]) -> DirectTensor:
+    """How the 4-bit kernel reads one tensor of a ``precision`` blob into its slab ``out``
+    (``[n_slots, *shape]``), from its fields (name -> (dtype, shape, byte offset))."""
+    shape = tuple(out.shape[1:])
+    placed = tuple((n, d, s, o) for n, (d, s, o) in fields.items())
+    if precision == "int4":
+        name = "codes_t" if "codes_t" in fields else "codes"
+        rows, half = fields[name][1][-2:]
+        groups = fields["scale"][1][-1]
+        return DirectTensor(out, fields[name][2], fields["scale"][2], kind="int4", zero=fields["zero"][2], rows=rows,
+                            cols_n=2 * half, group=2 * half // groups, transposed=name == "codes_t", fields=placed)
+    if precision == "nf4":
+        from .nf4 import BLOCK as NF4_BLOCK
+
+        return DirectTensor(out, fields["codes"][2], fields["qabsmax"][2], kind="nf4", zero=fields["absmax2"][2],
+                            extra=fields["offset"][2], rows=math.prod(shape[:-1]), cols_n=shape[-1], group=NF4_BLOCK, fields=placed)
+    rows, groups, half = fields["blocks"][1][-3:]  # mxfp4: [N, K/32, 16], the slot [K, N]
+    return DirectTensor(out, fields["blocks"][2], fields["scales"][2], kind="mxfp4", rows=rows, cols_n=groups * 2 * half,
+                        group=2 * half, transposed=True, fields=placed)
 
 
 def blocks(tensors: tuple[DirectTensor, ...]) -> int:
     """The kernel's programs per pick for an expert of ``tensors``: each tensor's elements in
-    ``BLOCK``s, one after another."""
-    return sum(math.ceil(math.prod(t.out.shape[1:]) / BLOCK) for t in tensors)
+    ``BLOCK``s (4-bit ones: tiles of ``TILE_R`` x ``TILE_C``), one after another."""
+    return sum(math.ceil(t.rows / TILE_R) * math.ceil(t.cols_n / TILE_C) if t.kind else math.ceil(math.prod(t.out.shape[1:]) / BLOCK)
+               for t in tensors)
 
 
 def fits(tensors: tuple[DirectTensor, ...]) -> bool:
@@ -111,15 +147,13 @@ def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks
     if not tensors:
         raise ValueError("direct fetch: an expert of no tensors")
     if tensors[0].out.device.type == "cuda" and kernel_available():
-        from .direct_kernel import launch, launch_planned
-
         first, *rest = _groups(tensors)
-        launch(src, starts, resident, picks, dst, ids, counts, first, usage)
+        _kernel(first).launch(src, starts, resident, picks, dst, ids, counts, first, usage)
         if rest:  # the other groups decode the same picks: the non-resident ones, into dst
             m = picks.numel()
             planned = torch.where(resident[picks] >= 0, -1, dst[:m].to(picks.device, torch.int32, non_blocking=True))  # [m]
             for g in rest:
-                launch_planned(src, starts, picks, planned, g)
+                _kernel(g).launch_planned(src, starts, picks, planned, g)
         return ids
     return fetch_reference(src, starts, resident, picks, dst, ids, counts, tensors, usage)
 
@@ -247,10 +281,8 @@ def fetch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, 
     if not tensors:
         raise ValueError("direct fetch: an expert of no tensors")
     if tensors[0].out.device.type == "cuda" and kernel_available():
-        from .direct_kernel import launch_planned
-
         for g in _groups(tensors):
-            launch_planned(src, starts, picks, dst, g)
+            _kernel(g).launch_planned(src, starts, picks, dst, g)
         return
     st = starts.tolist()
     for e, slot in zip(picks.tolist(), dst[: picks.numel()].tolist()):
@@ -258,13 +290,31 @@ def fetch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, 
             _decode_into(src, st[e], slot, tensors)
 
 
+def _kernel(tensors):
+    """The kernel module that decodes a group of ``tensors`` (one encoding)."""
+    if tensors[0].kind:
+        from . import direct4_kernel
+
+        return direct4_kernel
+    from . import direct_kernel
+
+    return direct_kernel
+
+
 def _decode_into(src: torch.Tensor, start: int, slot: int, tensors: tuple[DirectTensor, ...]) -> None:
     """The reference's decode of the expert at byte ``start`` of ``src`` into ``slot`` of every slab."""
+    from . import get_scheme
+    from .core import QuantizedTensor
+
     for t in tensors:
         shape = tuple(t.out.shape[1:])
         n = math.prod(shape)
         at = start + t.data
-        if t.scale is None:
+        if t.kind:  # the scheme's own dequantization of views of the blob's fields
+            data = {name: src[start + o : start + o + math.prod(s) * d.itemsize].view(d).view(s).to(t.out.device)
+                    for name, d, s, o in t.fields}
+            get_scheme(t.kind).dequantize(QuantizedTensor(t.kind, shape, data), out=t.out[slot])
+        elif t.scale is None:
             t.out[slot].copy_(src[at : at + 2 * n].view(torch.bfloat16).view(shape).to(t.out.device))
         else:
             q = src[at : at + n].view(torch.int8).view(shape).to(t.out.device)

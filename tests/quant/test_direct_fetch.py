@@ -338,7 +338,7 @@ def _transposed_biased(precision: str, experts: int, device):
     blobs = [blob.encode({t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in layout.tensors})[0] for _ in range(experts)]
     buf = torch.cat(blobs)
     slabs = {t.name: torch.full((10, *t.shape), SENTINEL, dtype=torch.bfloat16, device=device) for t in layout.tensors}
-    tensors = DirectExpert(_direct_tensor(slabs[name], [f for f in blob.fields if f.tensor == name]) for name, _ in blob.shapes)
+    tensors = DirectExpert(_direct_tensor(slabs[name], [f for f in blob.fields if f.tensor == name], precision) for name, _ in blob.shapes)
     return blob, blobs, buf, slabs, tensors
 
 

@@ -164,8 +164,8 @@ class Staging:
         if key not in self._direct:
             tensors = None
             if direct.supported(blob.precision):
-                tensors = direct.DirectExpert(_direct_tensor(pool.slabs[name], [f for f in blob.fields if f.tensor == name])
-                                              for name, _ in blob.shapes)
+                tensors = direct.DirectExpert(_direct_tensor(pool.slabs[name], [f for f in blob.fields if f.tensor == name],
+                                                             blob.precision) for name, _ in blob.shapes)
                 if not direct.fits(tensors):
                     tensors = None
             self._direct[key] = tensors
@@ -474,11 +474,13 @@ class Staging:
             self.stats.timed("stage", b.start, b.last)
 
 
-def _direct_tensor(out: torch.Tensor, fields: list) -> direct.DirectTensor:
+def _direct_tensor(out: torch.Tensor, fields: list, precision: str) -> direct.DirectTensor:
     """How ``quant.direct`` decodes one tensor's placed fields into its slab ``out``: int8 codes and
-    their scales (per column where the scales run along the last axis), or a bf16 copy (bf16
-    experts, and the tensors INT8 keeps exact: biases)."""
+    their scales (per column where the scales run along the last axis), 4-bit fields, or a bf16
+    copy (bf16 experts, and the tensors the lossy precisions keep exact: biases)."""
     by = {f.spec.name: f for f in fields}
+    if precision in direct.FOUR_BIT and "data" not in by:
+        return direct.four_bit(out, precision, {n: (f.spec.dtype, f.spec.shape, f.offset) for n, f in by.items()})
     if "qdata" not in by:
         return direct.DirectTensor(out, by["data"].offset, None)
     scale = by["scale"].spec

@@ -1,0 +1,168 @@
+"""The Triton kernel behind ``quant.direct.fetch`` for 4-bit experts (int4, nf4, mxfp4; imported only where Triton is present).
+
+Grid and pick handling as ``quant.direct_kernel``: program (j, b) decodes tile ``b`` of pick
+``j``'s expert, the tiles of its tensors (at most three, of one encoding) one after another.
+A tensor is read as its storage, ``R`` rows of ``C`` 4-bit codes (two a byte, a row's bytes
+contiguous, so a tile's reads from pinned memory are whole runs of bytes), and each tile of
+``TR`` x ``TC`` codes is written into the slot in the module's layout: in place, or transposed
+(``[C, R]``: int4's ``codes_t`` and MXFP4, whose rows are the outputs). Element ``f = r * C + c``
+of the storage belongs to group ``f // G``. Values, in fp32 and rounded once to bf16, as the
+schemes' own torch dequantization computes them (``quant.int4``, ``quant.nf4``, ``quant.mxfp4``);
+fused multiply-adds are off, so that NF4's ``DYNAMIC[qabsmax] * absmax2 + offset`` rounds twice
+as torch's does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .direct import MAX_BLOCKS, TILE_C, TILE_R
+from .launch import triton_relauncher
+
+WARPS = 4
+INT4, NF4, MXFP4 = 0, 1, 2
+KINDS = {"int4": INT4, "nf4": NF4, "mxfp4": MXFP4}
+
+
+@triton.jit
+def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
+          KIND: tl.constexpr, TRANS: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+    tr = t // tiles_c
+    tc = t % tiles_c
+    r = tr.to(tl.int64) * TR + tl.arange(0, TR)  # [TR]
+    b = tc.to(tl.int64) * (TC // 2) + tl.arange(0, TC // 2)  # [TC/2] bytes of a row
+    half = C // 2
+    byte = tl.load((src + codes) + r[:, None] * half + b[None, :], mask=(r[:, None] < R) & (b[None, :] < half), other=0)
+    if KIND == NF4:  # bitsandbytes: the first element in the high nibble
+        q = tl.reshape(tl.join(byte >> 4, byte & 15), (TR, TC))
+    else:
+        q = tl.reshape(tl.join(byte & 15, byte >> 4), (TR, TC))
+    c = tc.to(tl.int64) * TC + tl.arange(0, TC)  # [TC]
+    m = (r[:, None] < R) & (c[None, :] < C)
+    g = (r[:, None] * C + c[None, :]) // G  # [TR, TC]
+    if KIND == INT4:
+        s = tl.load((src + scale).to(tl.pointer_type(tl.float16)) + g, mask=m, other=0.0).to(tl.float32)
+        z = tl.load((src + zero) + g, mask=m, other=0).to(tl.float32) / 16.0
+        v = (q.to(tl.float32) - z) * s
+    elif KIND == NF4:
+        qa = tl.load((src + scale) + g, mask=m, other=0).to(tl.int32)
+        a2 = tl.load((src + zero).to(tl.pointer_type(tl.float32)) + g // 256, mask=m, other=0.0)
+        off = tl.load((src + extra).to(tl.pointer_type(tl.float32)))
+        absmax = tl.load(tables + 16 + qa, mask=m, other=0.0) * a2
+        absmax = absmax + off
+        v = tl.load(tables + q.to(tl.int32), mask=m, other=0.0) * absmax
+    else:  # MXFP4: 2 ** (e - 127), built from its bits (e = 0: the subnormal 2**-127)
+        e = tl.load((src + scale) + g, mask=m, other=127).to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, e << 23)
+        v = tl.load(tables + q.to(tl.int32), mask=m, other=0.0) * bits.to(tl.float32, bitcast=True)
+    v = v.to(tl.bfloat16)
+    if TRANS:
+        tl.store(out + c[:, None] * R + r[None, :], tl.trans(v), mask=tl.trans(m))
+    else:
+        tl.store(out + r[:, None] * C + c[None, :], v, mask=m)
+
+
+@triton.jit
+def _fetch4(src, starts, resident, picks, dst, ids, counts, usage, tables,
+            out0, k0, s0, z0, x0, n0, R0, C0, G0, tc0, nt0,
+            out1, k1, s1, z1, x1, n1, R1, C1, G1, tc1, nt1,
+            out2, k2, s2, z2, x2, n2, R2, C2, G2, tc2,
+            KIND: tl.constexpr, TRANS: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr,
+            TR: tl.constexpr, TC: tl.constexpr):
+    j = tl.program_id(0)
+    b = tl.program_id(1)
+    e = tl.load(picks + j)
+    if PLANNED:  # ``plan`` decided: decode into dst[j] when it is a slot; resident, ids, counts unused
+        slot = tl.load(dst + j).to(tl.int64)
+        go = slot >= 0
+    else:
+        r = tl.load(resident + e)
+        slot = tl.where(r >= 0, r, tl.load(dst + j)).to(tl.int64)
+        go = r < 0
+        if b == 0:
+            tl.store(ids + j, slot)
+            tl.atomic_add(counts + (r < 0).to(tl.int32), 1)
+            if USAGE:
+                tl.atomic_add(usage + e, 1)
+    if go:
+        base = src + tl.load(starts + e)
+        if b < nt0:
+            _tile(base, k0, s0, z0, x0, tables, out0 + slot * n0, b, R0, C0, G0, tc0, KIND, TRANS, TR, TC)
+        elif b < nt0 + nt1:
+            _tile(base, k1, s1, z1, x1, tables, out1 + slot * n1, b - nt0, R1, C1, G1, tc1, KIND, TRANS, TR, TC)
+        else:
+            _tile(base, k2, s2, z2, x2, tables, out2 + slot * n2, b - nt0 - nt1, R2, C2, G2, tc2, KIND, TRANS, TR, TC)
+
+
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _tables(kind: str, device: torch.device) -> torch.Tensor:
+    """fp32 ``[16 + 256]``: the kind's 16 code values, then bitsandbytes' dynamic map (NF4's statistics)."""
+    key = (kind, device)
+    got = _TABLES.get(key)
+    if got is None:
+        if kind == "nf4":
+            from .nf4 import tables
+
+            values, dynamic = tables(device)
+        else:
+            from .mxfp4 import FP4_VALUES
+
+            values = torch.tensor(FP4_VALUES if kind == "mxfp4" else range(16), dtype=torch.float32, device=device)
+            dynamic = torch.zeros(256, dtype=torch.float32, device=device)
+        got = _TABLES[key] = torch.cat([values.to(torch.float32), dynamic]).contiguous()
+    return got
+
+
+class _Plan:
+    """A launch over one expert's 4-bit tensors: the fixed arguments, the tiles per pick, and
+    the relaunchers of the kernel's specializations."""
+
+    def __init__(self, tensors):
+        self.fixed, self.blocks = [], 0
+        for i in range(3):
+            t = tensors[min(i, len(tensors) - 1)]
+            tiles_c = triton.cdiv(t.cols_n, TILE_C)
+            nt = triton.cdiv(t.rows, TILE_R) * tiles_c if i < len(tensors) else 0
+            self.blocks += nt
+            self.fixed += [t.out, t.data, t.scale, t.zero, t.extra, math.prod(t.out.shape[1:]), t.rows, t.cols_n, t.group,
+                           tiles_c] + ([nt] if i < 2 else [])
+        if self.blocks > MAX_BLOCKS:
+            raise ValueError(f"direct fetch: an expert of {self.blocks} tiles, at most {MAX_BLOCKS} fit one launch")
+        if len({t.encoding for t in tensors}) != 1:
+            raise ValueError("direct fetch: one launch decodes tensors of one encoding")
+        kind, trans = tensors[0].kind, tensors[0].transposed
+        self.tables = _tables(kind, tensors[0].out.device)
+        kw = dict(KIND=KINDS[kind], TRANS=trans, TR=TILE_R, TC=TILE_C, num_warps=WARPS, enable_fp_fusion=False)
+        self.relaunch = {usage: triton_relauncher(_fetch4, dict(kw, USAGE=usage, PLANNED=False)) for usage in (False, True)}
+        self.relaunch["planned"] = triton_relauncher(_fetch4, dict(kw, USAGE=False, PLANNED=True))
+
+
+def _plan_of(tensors) -> _Plan:
+    plan = getattr(tensors, "launch_plan", None)
+    if plan is None:
+        plan = _Plan(tensors)
+        if hasattr(tensors, "launch_plan"):  # a DirectExpert keeps it
+            tensors.launch_plan = plan
+    return plan
+
+
+def _key(tensors) -> tuple:
+    return tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
+
+
+def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
+           ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
+    plan = _plan_of(tensors)
+    dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage, plan.tables)
+    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+
+
+def launch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
+    plan = _plan_of(tensors)
+    dynamic = (src, starts, dst, picks, dst, starts, starts, starts, plan.tables)
+    plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
