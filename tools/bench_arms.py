@@ -24,6 +24,12 @@ def arm_list(spec: str) -> list[str]:
         + [f"{a}@skewed" for a in ("all_gpu", "tiers_25_int8", "tiers_50_int8")] + ["tiers_25_int8@skewed_norebal"])
 
 
+def arm_precisions(arms: list[str]) -> list[str]:
+    """The precisions a run packs: bf16 and INT8, and any other its Tiers arms name."""
+    named = [a.split("_")[2].split("@")[0] for a in arms if a.startswith("tiers_")]
+    return list(dict.fromkeys(["bf16", "int8", *named]))
+
+
 def rebalances(name: str) -> bool:
     """Whether a Tiers arm runs the rebalancer: ``@skewed`` and ``@skewed_routed`` ones."""
     return name.endswith(("@skewed", "@skewed_routed"))

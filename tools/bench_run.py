@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from tiers.loader.pack import pack
 from tiers.loader.packed import read_manifest
-from tiers.tools.bench_arms import ALL_GPU_ARMS, arm_list, routed, tiers_config
+from tiers.tools.bench_arms import ALL_GPU_ARMS, arm_list, arm_precisions, routed, tiers_config
 from tiers.tools.bench_bounds import add_bounds
 from tiers.tools.bench_runtime import synthetic_replays
 from tiers.tools.bench_tiers import REBALANCE_WARMUP_GENERATE, Setting, run_arm
@@ -132,14 +132,14 @@ class BenchRun:
         self.done(name, row)
 
     def save_and_pack(self, model) -> None:
-        """``save_pretrained`` (to ``--hf-dir`` if given) and pack in bf16 and INT8, both timed."""
+        """``save_pretrained`` (to ``--hf-dir`` if given) and pack in bf16, INT8 and the arms' other precisions, both timed."""
         t0 = time.perf_counter()
         if self.args.hf_dir:
             self.src = Path(self.args.hf_dir)
         model.save_pretrained(self.src)
         self.result["save_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        pack(self.src, self.packed, precisions=["bf16", "int8"], overwrite=True, progress=False, device=self.device)
+        pack(self.src, self.packed, precisions=arm_precisions(self.arms), overwrite=True, progress=False, device=self.device)
         self.result["pack_s"] = time.perf_counter() - t0
         shutil.rmtree(self.src, ignore_errors=True)
         self.bar.update(1)
