@@ -23,8 +23,8 @@ from .direct import MAX_BLOCKS, TILE_C, TILE_R
 from .launch import triton_relauncher
 
 WARPS = 4
-INT4, NF4, MXFP4 = 0, 1, 2
-KINDS = {"int4": INT4, "nf4": NF4, "mxfp4": MXFP4}
+INT4, NF4, MXFP4 = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+KINDS = {"int4": 0, "nf4": 1, "mxfp4": 2}
 
 
 @triton.jit
