@@ -41,7 +41,7 @@ from .launch import kernel_module
 FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
 FOUR_BIT = ("int4", "nf4", "mxfp4")  # decoded from their own fields (``four_bit``)
 BLOCK = 8192  # elements one program of the kernel decodes
-TILE_R, TILE_C = 32, 128  # rows and codes of a row one program of the 4-bit kernel decodes
+TILE_R, TILE_C = 4, 1024  # rows and codes of a row one program of the 4-bit kernel decodes (experiments/results/direct4_rate.json)
 MAX_BLOCKS = 65535  # programs per pick: the kernel's second grid dimension, as CUDA bounds it
 
 

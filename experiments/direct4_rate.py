@@ -1,0 +1,112 @@
+"""How fast does the 4-bit direct-decode kernel read experts from pinned memory, by tile shape, against INT8's kernel?
+
+    PYTHONPATH=. python3 experiments/direct4_rate.py [--reps 50] [--out experiments/results/direct4_rate.json]
+
+On a CUDA machine. Experts of gpt-oss-20b's shapes (``gate_up_proj`` [2880, 5760], ``down_proj``
+[2880, 2880], stored transposed, biases apart) and of Qwen3-30B-A3B's ([1536, 2048], [2048, 768]),
+32 of them in pinned memory, in each 4-bit precision (MXFP4 only for gpt-oss) and INT8. Times
+``quant.direct.fetch`` of 4 picks (a decode call's misses, gpt-oss's top-4; for Qwen3 8, its
+top-8) into bf16 slots, by CUDA events, median of ``--reps`` after warm-ups; the rate counts the
+blob bytes read. For the 4-bit kernel, each (rows, codes) tile shape of ``TILES``.
+"""
+import os
+import sys
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+TILES = [(32, 128), (8, 512), (4, 1024), (2, 2048), (16, 256), (1, 4096)]
+MODELS = {
+    "gpt_oss": dict(shapes=((2880, 5760), (2880, 2880)), transposed=True, picks=4, precisions=("mxfp4", "int4", "nf4", "int8")),
+    "qwen3_moe": dict(shapes=((1536, 2048), (2048, 768)), transposed=False, picks=8, precisions=("int4", "nf4", "int8")),
+}
+
+
+def experts(model: str, precision: str, n: int):
+    """``n`` blobs of random weights (exactly MXFP4 for mxfp4) in one pinned buffer; the blob layout."""
+    from tiers.loader.blob import blob_layout
+    from tiers.loader.layout import ExpertLayout, ExpertTensor
+    from tiers.quant import mxfp4
+
+    spec = MODELS[model]
+    tensors = tuple(ExpertTensor(name, shape) for name, shape in zip(("gate_up_proj", "down_proj"), spec["shapes"]))
+    layout = ExpertLayout(n, tensors, is_transposed=spec["transposed"], is_concatenated=not spec["transposed"])
+    blob = blob_layout(layout, precision)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = []
+    for _ in range(n):
+        ws = {}
+        for t in tensors:
+            if precision == "mxfp4":
+                k, m = t.shape
+                b = torch.randint(0, 256, (m, k // 32, 16), dtype=torch.uint8, device="cuda", generator=g)
+                s = torch.randint(116, 121, (m, k // 32), dtype=torch.uint8, device="cuda", generator=g)
+                ws[t.name] = mxfp4.decode(b, s)
+            else:
+                ws[t.name] = (torch.randn(t.shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        out.append(blob.encode(ws)[0])
+    return blob, torch.cat(out).pin_memory()
+
+
+def rate(blob, buf, model: str, reps: int) -> dict:
+    from tiers.quant.direct import fetch
+    from tiers.transfer.staging import _direct_tensor
+    from tiers.quant.direct import DirectExpert
+
+    spec = MODELS[model]
+    slabs = {name: torch.empty((16, *shape), dtype=torch.bfloat16, device="cuda") for name, shape in blob.shapes}
+    tensors = DirectExpert(_direct_tensor(slabs[n], [f for f in blob.fields if f.tensor == n], blob.precision) for n, _ in blob.shapes)
+    n = buf.numel() // blob.stride
+    starts = torch.arange(n, device="cuda") * blob.stride
+    resident = torch.full((n,), -1, dtype=torch.int32, device="cuda")
+    k = spec["picks"]
+    dst = torch.arange(k, dtype=torch.int32, device="cuda")
+    ids, counts = torch.empty(k, dtype=torch.int64, device="cuda"), torch.zeros(2, dtype=torch.int64, device="cuda")
+    times = []
+    for r in range(reps + 3):
+        picks = torch.randperm(n, device="cuda")[:k]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fetch(buf, starts, resident, picks, dst, ids, counts, tensors)
+        b.record()
+        b.synchronize()
+        if r >= 3:
+            times.append(a.elapsed_time(b) / 1e3)
+    t = statistics.median(times)
+    return {"ms": t * 1e3, "gb_s": k * blob.nbytes / t / 1e9, "blob_bytes": blob.nbytes}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default="experiments/results/direct4_rate.json")
+    args = ap.parse_args()
+    from tiers.quant import direct, direct4_kernel
+
+    result = {"command": "python3 experiments/direct4_rate.py --reps %d" % args.reps, "device": torch.cuda.get_device_name(), "rows": []}
+    for model, spec in MODELS.items():
+        for precision in spec["precisions"]:
+            blob, buf = experts(model, precision, 32)
+            tiles = TILES if precision != "int8" else [None]
+            for tile in tiles:
+                if tile:
+                    direct.TILE_R, direct.TILE_C = tile
+                    direct4_kernel.TILE_R, direct4_kernel.TILE_C = tile
+                row = {"model": model, "precision": precision, "tile": tile, **rate(blob, buf, model, args.reps)}
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+            del buf
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
