@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .direct import MAX_BLOCKS, TILE_C, TILE_R
+from .direct_kernel import launch_key, plan_of
 from .launch import triton_relauncher
 
 WARPS = 4
@@ -142,27 +143,14 @@ class _Plan:
         self.relaunch["planned"] = triton_relauncher(_fetch4, dict(kw, USAGE=False, PLANNED=True))
 
 
-def _plan_of(tensors) -> _Plan:
-    plan = getattr(tensors, "launch_plan", None)
-    if plan is None:
-        plan = _Plan(tensors)
-        if hasattr(tensors, "launch_plan"):  # a DirectExpert keeps it
-            tensors.launch_plan = plan
-    return plan
-
-
-def _key(tensors) -> tuple:
-    return tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
-
-
 def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
            ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
-    plan = _plan_of(tensors)
+    plan = plan_of(tensors, _Plan)
     dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage, plan.tables)
-    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))
 
 
 def launch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
-    plan = _plan_of(tensors)
+    plan = plan_of(tensors, _Plan)
     dynamic = (src, starts, dst, picks, dst, starts, starts, starts, plan.tables)
-    plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+    plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))

@@ -92,32 +92,34 @@ class _Plan:
         self.relaunch["planned"] = triton_relauncher(_fetch, dict(kw, USAGE=False, PLANNED=True))
 
 
-def _plan_of(tensors) -> _Plan:
+def plan_of(tensors, make=None):
+    """The launch plan of ``tensors`` (``make(tensors)``, this module's ``_Plan`` by default), made
+    once for a ``DirectExpert``, which keeps it."""
     plan = getattr(tensors, "launch_plan", None)
     if plan is None:
-        plan = _Plan(tensors)
+        plan = (make or _Plan)(tensors)
         if hasattr(tensors, "launch_plan"):  # a DirectExpert keeps it
             tensors.launch_plan = plan
     return plan
 
 
-def _key(tensors) -> tuple:
+def launch_key(tensors) -> tuple:
     """What decides Triton's compiled kernel among the arguments that vary: dtypes and 16-byte alignment."""
     return tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
 
 
 def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
            ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
-    plan = _plan_of(tensors)
+    plan = plan_of(tensors)
     dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage)
-    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+    plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))
 
 
 def launch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
-    plan = _plan_of(tensors)
+    plan = plan_of(tensors)
     # the unused resident, ids, counts and usage get tensors of their dtypes
     dynamic = (src, starts, dst, picks, dst, starts, starts, starts)
-    plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), _key(dynamic))
+    plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))
 
 
 @triton.jit(do_not_specialize=["m", "row", "rows", "width"])
@@ -199,4 +201,4 @@ def launch_plan(cache, row: int, resident: torch.Tensor, picks: torch.Tensor, id
                counts if usage is None else usage)
     args = (picks, picks.numel(), resident, cache.slots, cache.owner, cache.stamp, cache.clock, ids, cache.dst, counts,
             counts if usage is None else usage, row, cache.rows, cache.width)
-    run((1, 1), args, _key(tensors))
+    run((1, 1), args, launch_key(tensors))
