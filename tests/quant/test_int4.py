@@ -69,7 +69,8 @@ def group_errors(x: torch.Tensor, q: torch.Tensor, s16: torch.Tensor, zero: torc
 
 
 def fields_as_groups(q: QuantizedTensor, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes = int4.unpack_codes(q.data["codes"])  # [R, C]
+    c = q.data["codes"]
+    codes = torch.stack([c & 15, c >> 4], dim=-1).flatten(-2)  # [R, C]: element 2b in byte b's low nibble
     return codes.reshape(-1, g), q.data["scale"].reshape(-1, 1), q.data["zero"].reshape(-1, 1)
 
 
