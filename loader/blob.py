@@ -148,6 +148,8 @@ def scheme_options(precision: str, options: dict | None) -> tuple[tuple[str, int
             raise ValueError(f"precision {precision!r} takes no setting {k!r}" + (f"; it takes {sorted(allowed)}" if allowed else ""))
         if isinstance(v, bool) or not isinstance(v, int):
             raise ValueError(f"precision {precision!r}: setting {k!r} must be an integer, got {v!r}")
+        if k == "group" and v < 2:  # here, before a pack reads anything, not from the first tensor's fields
+            raise ValueError(f"precision {precision!r}: setting 'group' must be at least 2, got {v!r}")
     if takes_group:  # recorded even when not asked for, so that a load can check it
         options.setdefault("group", quant.get_scheme(precision).default_group)
     return tuple(sorted(options.items()))

@@ -18,7 +18,9 @@ The fit (``fit``), per group, without calibration data: round-to-nearest from th
 (zero included), then alternating least squares, which minimizes the group's squared error:
 with the codes fixed, the best scale and offset are a 2x2 linear solve; with those fixed, the
 best codes are the rounded ones. The result is kept only where its error, after the scale is
-rounded to fp16 and the zero point to 1/16 of a step, is below round-to-nearest's. On the
+rounded to fp16 and the zero point to 1/16 of a step, is below round-to-nearest's. A group whose
+scale rounds to 0 in fp16 (a range under about 4e-7) decodes to zeros; one whose scale fp16 cannot
+hold (a range above 15 x 65504) would decode to NaN, and its weight is refused (a ValueError). On the
 trained model in ../shared/models (docs/results.md) this took the mean KL per byte of the
 experts' round-to-nearest at group 64 from 0.0136 to 0.0120.
 """
@@ -32,6 +34,7 @@ GROUP = 64  # group size when none is set
 ZERO_STEPS = 16  # a zero point is stored in 1/16 of a code step: uint8 0..255 is 0..15.9375
 LEVELS = 15  # the largest code
 FIT_ITERS = 12
+FP16_MAX = torch.finfo(torch.float16).max
 
 
 def group_of(cols: int, group: int) -> int:
@@ -78,17 +81,23 @@ def _stored(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple
     squared error of each row as decoded."""
     s16 = scale.to(torch.float16)
     s = s16.to(torch.float32)
-    zero = (-offset / s * ZERO_STEPS).round_().clamp_(0, 255)
+    live = s > 0  # [n, 1]; a scale under fp16's smallest step is 0: that group decodes to zeros, its codes and zero point 0
+    zero = torch.where(live, -offset / s * ZERO_STEPS, 0.0).round_().clamp_(0, 255)
     z = zero / ZERO_STEPS
-    q = (x / s + z).round_().clamp_(0, LEVELS)
+    q = torch.where(live, x / s + z, 0.0).round_().clamp_(0, LEVELS)
     err = ((q - z) * s - x).pow_(2).sum(dim=1, keepdim=True)
     return q, s16, zero, err
 
 
 def fit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes (float, 0..15) ``[n, G]``, scales fp16 ``[n, 1]`` and zero points uint8 ``[n, 1]``
-    for the groups (rows) of ``x`` float32 ``[n, G]`` (see the module docstring)."""
+    for the groups (rows) of ``x`` float32 ``[n, G]`` (see the module docstring); a ValueError where
+    a group's range needs a scale above fp16's largest."""
     scale, offset = _rtn(x)
+    if torch.isinf(scale.to(torch.float16)).any():  # an inf scale decodes to NaN
+        span = (scale.max() * LEVELS).item()
+        raise ValueError(f"a group spanning {span:.3g}, more than an fp16 scale holds over {LEVELS} codes "
+                         f"({LEVELS} x {FP16_MAX:.0f} = {LEVELS * FP16_MAX:.0f}): choose another precision (bf16, int8)")
     base = _stored(x, scale, offset)
     fitted = _stored(x, *_least_squares(x, scale, offset))
     better = fitted[3] < base[3]  # [n, 1]
@@ -149,7 +158,10 @@ class Int4:
         w = weight.detach().to(torch.float32)
         w = w.transpose(-1, -2) if columns else w  # [*lead, R, C]
         groups = specs[1].shape[-1]
-        q, s, z = fit(w.reshape(-1, w.shape[-1] // groups))
+        try:
+            q, s, z = fit(w.reshape(-1, w.shape[-1] // groups))
+        except ValueError as e:
+            raise ValueError(f"precision 'int4': a {shape} weight has {e}") from None
         return QuantizedTensor(self.name, shape, {specs[0].name: pack_codes(q.view(w.shape)).contiguous(),
                                                   "scale": s.view(specs[1].shape).contiguous(),
                                                   "zero": z.view(specs[2].shape).contiguous()})

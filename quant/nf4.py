@@ -12,10 +12,13 @@ exact, in bf16 (``data``).
 Decoding an element: ``NF4[q] * (DYNAMIC[qabsmax] * absmax2 + offset)``, in fp32, rounded once
 to the output dtype: what ``bitsandbytes.functional.dequantize_4bit`` computes. On CUDA the
 dequantization is bitsandbytes' own kernel; elsewhere these torch operations, equal to it bit for
-bit (the tests compare them). Encoding picks each element's nearest NF4 value in torch, as
-bitsandbytes' CUDA kernel does, because bitsandbytes' CPU ``quantize_4bit`` (0.50) encodes
-tensors whose rows are not a whole number of blocks wrongly (a 128 x 160 weight in blocks of 64
-came back with 8x the error); the absmax statistics go through its ``quantize_blockwise``.
+bit (the tests compare them), and equal to bitsandbytes' CPU ``dequantize_4bit`` only where each
+row is a whole number of blocks: that one (0.50) decodes other tensors wrongly (a 1000 x 96 weight
+came back at 12 dB where its encoding holds 20.8). Encoding picks each element's nearest NF4 value
+in torch, on whichever device the weight is, equal field for field to bitsandbytes'
+``quantize_4bit(w.reshape(-1, w.shape[-1]), blocksize=64, quant_type="nf4",
+compress_statistics=True)`` (the tests compare them); the absmax statistics go through its
+``quantize_blockwise``.
 bitsandbytes is imported on first use (its import is slow).
 """
 from __future__ import annotations
