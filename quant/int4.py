@@ -73,15 +73,20 @@ def _least_squares(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return scale, offset
 
 
+def round_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The nearest codes (float, 0..15) of ``x`` for a stored fp16 ``scale`` and zero point ``zero``
+    (in 1/16 steps), both broadcast against ``x``."""
+    return (x / scale.to(torch.float32) + zero.to(torch.float32) / ZERO_STEPS).round_().clamp_(0, LEVELS)
+
+
 def _stored(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The stored form of a fit: fp16 scale, zero point in 1/16 steps, codes for those; and the
     squared error of each row as decoded."""
     s16 = scale.to(torch.float16)
     s = s16.to(torch.float32)
     zero = (-offset / s * ZERO_STEPS).round_().clamp_(0, 255)
-    z = zero / ZERO_STEPS
-    q = (x / s + z).round_().clamp_(0, LEVELS)
-    err = ((q - z) * s - x).pow_(2).sum(dim=1, keepdim=True)
+    q = round_codes(x, s16, zero)
+    err = ((q - zero / ZERO_STEPS) * s - x).pow_(2).sum(dim=1, keepdim=True)
     return q, s16, zero, err
 
 
@@ -94,6 +99,14 @@ def fit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     better = fitted[3] < base[3]  # [n, 1]
     q, s, z = (torch.where(better, a, b) for a, b in zip(fitted[:3], base[:3]))
     return q, s, z.to(torch.uint8)
+
+
+def group_params(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fit``'s scales fp16 ``[n, 1]`` and zero points uint8 ``[n, 1]`` alone, for the groups (rows)
+    of ``x`` float32 ``[n, G]``: what ``quant.gptq`` fits each group with before rounding its
+    columns one by one (``round_codes``)."""
+    _, s, z = fit(x)
+    return s, z
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:
@@ -125,6 +138,7 @@ class Int4:
     stacks = True
     per_output_row = True  # takes ``columns=True`` for weights stored [in, out]
     takes_group = True  # takes ``group=``, the group size asked for
+    takes_hessian = True  # takes ``hessian=``, the inputs' X^T X (calibrated packs)
     default_group = GROUP
 
     def fields(self, shape: tuple[int, ...], *, columns: bool = False, group: int = GROUP) -> tuple[FieldSpec, ...]:
@@ -141,7 +155,11 @@ class Int4:
                 FieldSpec("scale", torch.float16, (*lead, rows, cols // g)),
                 FieldSpec("zero", torch.uint8, (*lead, rows, cols // g)))
 
-    def quantize(self, weight: torch.Tensor, *, columns: bool = False, group: int = GROUP) -> QuantizedTensor:
+    def quantize(self, weight: torch.Tensor, *, columns: bool = False, group: int = GROUP,
+                 hessian: torch.Tensor | None = None) -> QuantizedTensor:
+        """``hessian`` ``[C, C]`` over the input axis (``X^T X`` of the inputs the weight sees, for a
+        ``columns=True`` weight too): GPTQ's rounding (``quant.gptq``) instead of the plain fit; the
+        stored form is the same. A tensor of one row ignores it."""
         shape = tuple(weight.shape)
         if weight.dim() < 2:
             return QuantizedTensor(self.name, shape, {"data": weight.detach().to(torch.bfloat16).contiguous()})
@@ -149,7 +167,15 @@ class Int4:
         w = weight.detach().to(torch.float32)
         w = w.transpose(-1, -2) if columns else w  # [*lead, R, C]
         groups = specs[1].shape[-1]
-        q, s, z = fit(w.reshape(-1, w.shape[-1] // groups))
+        if hessian is not None:
+            from . import gptq  # it builds on this module's fit
+
+            if tuple(hessian.shape) != (w.shape[-1],) * 2:
+                raise ValueError(f"int4: a Hessian of shape {tuple(hessian.shape)} for a {shape} weight with {w.shape[-1]} inputs; "
+                                 f"expected {(w.shape[-1],) * 2}")
+            q, s, z = gptq.quantize(w.reshape(-1, w.shape[-1]), hessian, w.shape[-1] // groups)
+        else:
+            q, s, z = fit(w.reshape(-1, w.shape[-1] // groups))
         return QuantizedTensor(self.name, shape, {specs[0].name: pack_codes(q.view(w.shape)).contiguous(),
                                                   "scale": s.view(specs[1].shape).contiguous(),
                                                   "zero": z.view(specs[2].shape).contiguous()})
