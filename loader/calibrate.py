@@ -49,20 +49,23 @@ class CalibrationText:
         return {"file": self.file.name, "tokens": self.tokens, "windows": list(self.windows.shape)}
 
 
-def check_calibrated(path: str | Path, precisions: Iterable[str]) -> None:
-    """A ValueError when none of ``precisions`` takes a Hessian (int4): a calibration text would change nothing."""
+def check_calibrated(path: str | Path | None, precisions: Iterable[str]) -> None:
+    """A ValueError when a calibration text ``path`` is given and none of ``precisions`` takes a Hessian
+    (int4): it would change nothing."""
     precisions = list(precisions)
-    if not any(getattr(quant.get_scheme(p), "takes_hessian", False) for p in precisions):
+    if path is not None and not any(getattr(quant.get_scheme(p), "takes_hessian", False) for p in precisions):
         raise ValueError(f"calibration {str(path)!r}: only int4 is calibrated, and the precisions packed are "
                          f"{', '.join(precisions)}; add int4 or leave out the calibration text")
 
 
-def calibration_text(path: str | Path, precisions: Iterable[str], src: Path, config, *, windows: int = DEFAULT_WINDOWS,
-                     length: int = DEFAULT_LENGTH) -> CalibrationText:
-    """``windows`` windows of ``length`` tokens of the text ``path`` (``loader.text``) for the source
-    checkpoint ``src`` (its ``config``): tokenized by its tokenizer, else as bytes for a vocabulary of
-    256. A ValueError when no precision packed takes a Hessian (``check_calibrated``), when the text
+def calibration_text(path: str | Path | None, precisions: Iterable[str], src: Path, config, *, windows: int = DEFAULT_WINDOWS,
+                     length: int = DEFAULT_LENGTH) -> CalibrationText | None:
+    """``windows`` windows of ``length`` tokens of the text ``path`` (``loader.text``; None for none) for
+    the source checkpoint ``src`` (its ``config``): tokenized by its tokenizer, else as bytes for a
+    vocabulary of 256. A ValueError when no precision packed takes a Hessian (``check_calibrated``), when the text
     is shorter than one window, or when it cannot be tokenized (each naming the file)."""
+    if path is None:
+        return None
     check_calibrated(path, precisions)
     if windows < 1 or length < 2:
         raise ValueError(f"calibration {str(path)!r}: {windows} windows of {length} tokens; expected at least 1 window of 2 tokens")

@@ -263,9 +263,8 @@ def pack(
     ``options``: a precision's encoder settings, ``{"int4": {"group": 32}}`` (the YAML's
     ``tiers.int4.group``; ``TiersConfig.pack_options``); the manifest records them per blob layout.
 
-    ``calibration``: a text (``loader.text``: UTF-8, or token ids as .json or .npy) whose
-    ``calibration_windows`` windows of ``calibration_length`` tokens calibrate int4 (GPTQ, ``loader.calibrate``);
-    a ValueError, before anything is read, when no int4 is packed or the text is shorter than a window.
+    ``calibration``: a text whose ``calibration_windows`` windows of ``calibration_length`` tokens calibrate int4
+    (GPTQ: ``loader.calibrate``); refused before anything is written (read, where no int4 is packed).
 
     ``device`` is where experts are quantized (one expert at a time); "cuda" speeds up large packs.
     bf16 blobs are the same bytes either way; INT8 blobs packed on a GPU have not been compared
@@ -274,8 +273,7 @@ def pack(
     t0 = time.perf_counter()
     src_path, dst = Path(src), Path(dst)
     precisions = _check_precisions(precisions)
-    if calibration is not None:
-        check_calibrated(calibration, precisions)
+    check_calibrated(calibration, precisions)
     options = {p: dict(o) for p, o in (options or {}).items() if p in precisions}
     for p, o in options.items():
         scheme_options(p, o)  # a ValueError naming the precision and the setting, before anything is read
@@ -286,8 +284,7 @@ def pack(
     source = SourceCheckpoint(src_path)
     check_precisions(precisions, source)  # a precision the source's format cannot give (mxfp4 needs MXFP4)
     config = AutoConfig.from_pretrained(src_path)
-    calib = None if calibration is None else calibration_text(calibration, precisions, src_path, config, windows=calibration_windows,
-                                                              length=calibration_length)
+    calib = calibration_text(calibration, precisions, src_path, config, windows=calibration_windows, length=calibration_length)
     model = build_skeleton(config)
     plan = _plan(source, model)
     prior = None

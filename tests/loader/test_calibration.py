@@ -219,10 +219,13 @@ def test_cli_calibration_options_and_errors(tmp_path, capsys):
 
 # -- the trained model --------------------------------------------------------------------------
 # Measured (experiments/int4_quality.py, experiments/results/int4_quality.json): over eval.txt's 16
-# windows of 512 bytes, int4's mean KL per byte is 0.0112 with the plain fit and 0.0089 calibrated on
-# README.md + docs/*.md (64 windows of 512 bytes).
-CALIBRATED_KL_BOUND = 0.0095
-MARGIN = 0.0015  # calibrated at least this much below plain
+# windows of 512 bytes, int4's mean KL per byte is 0.0112 with the plain fit, and calibrated (64
+# windows of 512 bytes) 0.0089-0.0095 on README.md + docs/*.md as they stood at three commits, and
+# 0.0097-0.0099 on README.md alone, docs/history.md alone, or the other four docs: the figure moves
+# by about 0.0005 with the calibration text, and these docs change with the repository. Hence a
+# bound and a margin with room for that.
+CALIBRATED_KL_BOUND = 0.0102
+MARGIN = 0.001  # calibrated at least this much below plain (measured: 0.0013-0.0023 below)
 
 
 @pytest.fixture
