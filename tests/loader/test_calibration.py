@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import tiers
-from conftest import save_tiny
+from conftest import MODELS, save_tiny
 from quality import TRAINED_MODEL, eval_windows, trained_model_missing
 from tiers.loader.calibrate import LayerExperts, calibration_text, record
 from tiers.loader.packed import read_manifest
@@ -94,12 +94,13 @@ def test_calibrated_pack_loads_and_its_int4_stays_near_bf16(packs):
     assert 0 < rel < 0.2, rel
 
 
-def test_recorded_inputs_are_what_the_experts_modules_of_the_untiered_model_receive(packs, tmp_path):
-    src = packs[0]
+@pytest.mark.parametrize("model_type", sorted(MODELS))
+def test_recorded_inputs_are_what_the_experts_modules_of_the_untiered_model_receive(model_type, tmp_path):
+    src = save_tiny(model_type, tmp_path / "src", tie_word_embeddings=model_type == "mixtral")  # one tied: built from the embedding
     config = AutoConfig.from_pretrained(src)
     source = SourceCheckpoint(src)
     plan = pack_module._plan(source, build_skeleton(config))
-    text = calibration_text(packs[3], ["int4"], src, config, windows=3, length=40)
+    text = calibration_text(_text(tmp_path), ["int4"], src, config, windows=3, length=40)
     layers = {L: LayerExperts(lay, lambda e, L=L: pack_module._read_expert(source, plan.layouts[L], plan.sources[L], e))
               for L, lay in plan.layouts.items()}
     recorded = record(text, config, pack_module._dense_units(source, plan), layers, tmp_path / "rec", torch.device("cpu"), batch=2)
