@@ -69,6 +69,10 @@ def calibration_text(path: str | Path | None, precisions: Iterable[str], src: Pa
     check_calibrated(path, precisions)
     if windows < 1 or length < 2:
         raise ValueError(f"calibration {str(path)!r}: {windows} windows of {length} tokens; expected at least 1 window of 2 tokens")
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(positions, int) and length > positions:
+        raise ValueError(f"calibration {str(path)!r}: windows of {length} tokens, longer than the model's {positions} positions "
+                         f"(max_position_embeddings); give a shorter calibration length")
     vocab = getattr(config.get_text_config(), "vocab_size", None)
     text = read_tokens(path, vocab, src, tokenizer=has_tokenizer(src))
     if text.ids.numel() < length:

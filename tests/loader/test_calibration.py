@@ -184,6 +184,13 @@ def test_a_text_shorter_than_a_window_names_the_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt", "src"]
 
 
+def test_windows_longer_than_the_models_positions_are_refused(tmp_path):
+    src = save_tiny("qwen3_moe", tmp_path / "src")  # 128 positions
+    with pytest.raises(ValueError, match=r"calibration '.*calibration.txt': windows of 512 tokens, longer than the model's 128 positions"):
+        pack(src, tmp_path / "dst", precisions=["int4"], calibration=_text(tmp_path))
+    assert not (tmp_path / "dst").exists()
+
+
 def test_a_model_with_no_tokenizer_and_a_larger_vocabulary_is_refused_naming_the_file(tmp_path):
     src = save_tiny("qwen3_moe", tmp_path / "src", vocab_size=300)
     text = _text(tmp_path)
