@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from .. import quant
 from .layout import ExpertLayout, find_experts_modules
 from .skeleton import build_skeleton
@@ -122,7 +123,6 @@ def _dense_model(config, dense_units, device: torch.device) -> torch.nn.Module:
 class _Recorder:
     """Pass 1's hooks on one experts module: its experts in on the way in, out on the way out, its inputs appended to ``file``."""
 
-    module: torch.nn.Module
     layer: LayerExperts
     file: Path
     device: torch.device
@@ -157,7 +157,7 @@ def record(text: CalibrationText, config, dense_units, layers: dict[int, LayerEx
     model = _dense_model(config, dense_units, device)
     handles, recorders = [], {}
     for L, (_, module) in find_experts_modules(model).items():
-        rec = recorders[L] = _Recorder(module, layers[L], folder / f"layer-{L:04d}.bin", device)
+        rec = recorders[L] = _Recorder(layers[L], folder / f"layer-{L:04d}.bin", device)
         handles += [module.register_forward_pre_hook(rec.pre, with_kwargs=True),
                     module.register_forward_hook(rec.post, with_kwargs=True)]
     try:
