@@ -71,9 +71,12 @@ class BlobLayout:
         """Bytes a blob occupies in a file or pool: ``nbytes`` rounded up to 4 KiB."""
         return align(self.nbytes, BLOB_ALIGN)
 
-    def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def encode(self, tensors: dict[str, torch.Tensor], hessians: dict[str, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
         """Quantize one expert's tensors into a fresh uint8 CPU blob of ``stride`` bytes; also the SQNR (dB)
-        per tensor the encoding changed. Quantization runs on the tensors' device (a GPU makes large packs much faster)."""
+        per tensor the encoding changed. Quantization runs on the tensors' device (a GPU makes large packs much faster).
+        ``hessians``: a tensor's inputs' ``X^T X`` (``loader.calibrate``), which a scheme that takes one
+        (int4: GPTQ) rounds for; other schemes ignore them."""
         scheme = quant.get_scheme(self.precision)
         blob = torch.zeros(self.stride, dtype=torch.uint8)  # [stride]
         sqnr: dict[str, float] = {}
@@ -81,7 +84,10 @@ class BlobLayout:
             w = tensors[name]
             if tuple(w.shape) != shape:
                 raise ValueError(f"expert tensor {name!r} has shape {tuple(w.shape)}, layout says {shape}")
-            q = scheme.quantize(w, **_kwargs(scheme, self.transposed, shape, dict(self.options)))
+            kw = _kwargs(scheme, self.transposed, shape, dict(self.options))
+            if hessians and name in hessians and getattr(scheme, "takes_hessian", False):
+                kw["hessian"] = hessians[name]
+            q = scheme.quantize(w, **kw)
             for pf in self.fields:
                 if pf.tensor == name:
                     src = q.data[pf.spec.name].contiguous().view(-1).view(torch.uint8)

@@ -28,10 +28,12 @@ from transformers import AutoConfig
 
 from .. import quant
 from .blob import BLOB_ALIGN, align, blob_layout, scheme_options
-from .destination import StaleDir, check_apart, remove_stale, staging_dir
+from .calibrate import DEFAULT_LENGTH, DEFAULT_WINDOWS, LayerExperts, calibration_text, check_calibrated, record
+from .destination import check_apart, remove_stale, staging_dir
 from .layout import ExpertLayout, discover_layout, find_experts_modules, unservable
 from .lock import hold
 from .packed import MANIFEST, file_crc32, manifest_json, routing_prior
+from .pack_summary import PackSummary
 from .convert import NAMES, Converted, expert_slice, plan_outputs
 from .skeleton import KeyMap, build_skeleton
 from .source import SourceCheckpoint
@@ -54,39 +56,6 @@ _TENSOR_ROLES = {
     "down_proj_bias": (("down",), "bias"),
 }
 _PER_EXPERT_RE = re.compile(r"^(?P<mod>.+)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)\.(?P<kind>weight|bias)$")
-
-
-@dataclass
-class PackSummary:
-    dst: Path
-    experts: int
-    layers: int
-    bytes_per_precision: dict[str, int]
-    dense_bytes: int
-    seconds: float
-    skipped_keys: list[str] = field(default_factory=list)
-    routing_prior: bool = False
-    removed: list[StaleDir] = field(default_factory=list)  # staging directories of dead packs, removed first
-
-    def __str__(self) -> str:
-        per = ", ".join(f"{p}: {_human(n)}" for p, n in self.bytes_per_precision.items())
-        s = (
-            f"packed {self.experts} experts in {self.layers} MoE layers into {self.dst} in {self.seconds:.1f} s\n"
-            f"  experts by precision: {per}\n  dense: {_human(self.dense_bytes)}"
-        )
-        if self.routing_prior:
-            s += "\n  routing prior: embedded (loads without a routing file rank the experts by it)"
-        if self.skipped_keys:
-            s += f"\n  skipped {len(self.skipped_keys)} checkpoint keys the model does not use: {self.skipped_keys[:5]}"
-        if self.removed:
-            n = len(self.removed)
-            s += (f"\n  removed {n} staging director{'y' if n == 1 else 'ies'} that packs no longer running left beside the "
-                  f"destination ({_human(sum(r.nbytes for r in self.removed))}): {', '.join(r.path.name for r in self.removed)}")
-        return s
-
-
-def _human(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -272,6 +241,9 @@ def pack(
     device: str | torch.device = "cpu",
     routing: str | Path | Mapping | None = None,
     options: Mapping[str, Mapping] | None = None,
+    calibration: str | Path | None = None,
+    calibration_windows: int = DEFAULT_WINDOWS,
+    calibration_length: int = DEFAULT_LENGTH,
 ) -> PackSummary:
     """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``,
     and always (ValueError) if ``dst`` is ``src``, lies inside it or contains it.
@@ -291,6 +263,9 @@ def pack(
     ``options``: a precision's encoder settings, ``{"int4": {"group": 32}}`` (the YAML's
     ``tiers.int4.group``; ``TiersConfig.pack_options``); the manifest records them per blob layout.
 
+    ``calibration``: a text whose ``calibration_windows`` windows of ``calibration_length`` tokens calibrate int4
+    (GPTQ: ``loader.calibrate``); refused before anything is written (read, where no int4 is packed).
+
     ``device`` is where experts are quantized (one expert at a time); "cuda" speeds up large packs.
     bf16 blobs are the same bytes either way; INT8 blobs packed on a GPU have not been compared
     byte for byte with a CPU pack (the manifest's SQNR is computed on the device used).
@@ -298,6 +273,7 @@ def pack(
     t0 = time.perf_counter()
     src_path, dst = Path(src), Path(dst)
     precisions = _check_precisions(precisions)
+    check_calibrated(calibration, precisions)
     options = {p: dict(o) for p, o in (options or {}).items() if p in precisions}
     for p, o in options.items():
         scheme_options(p, o)  # a ValueError naming the precision and the setting, before anything is read
@@ -308,6 +284,7 @@ def pack(
     source = SourceCheckpoint(src_path)
     check_precisions(precisions, source)  # a precision the source's format cannot give (mxfp4 needs MXFP4)
     config = AutoConfig.from_pretrained(src_path)
+    calib = calibration_text(calibration, precisions, src_path, config, windows=calibration_windows, length=calibration_length)
     model = build_skeleton(config)
     plan = _plan(source, model)
     prior = None
@@ -324,8 +301,8 @@ def pack(
         tmp.mkdir()
         try:
             pack_doc = {"precisions": precisions, "source": src_path.name}
-            dense_files, bytes_per_precision = _write(source, config, plan, tmp, (precisions, options), pack_doc, prior, progress,
-                                                      dev, t0)
+            dense_files, bytes_per_precision = _write(source, config, plan, tmp, (precisions, options, calib), pack_doc, prior,
+                                                      progress, dev, t0)
             target.place(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -333,7 +310,7 @@ def pack(
     n_experts = sum(layout.num_experts for layout in plan.layouts.values())
     dense_bytes = sum(f["nbytes"] for f in dense_files.values())
     return PackSummary(dst, n_experts, len(plan.layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0,
-                       plan.skipped, routing_prior=prior is not None, removed=removed)
+                       plan.skipped, routing_prior=prior is not None, removed=removed, calibration=pack_doc.get("calibration"))
 
 
 def _check_precisions(precisions) -> list[str]:
@@ -359,16 +336,24 @@ def _check_device(device) -> torch.device:
 
 def _write(source, config, plan: _Plan, tmp: Path, encodings, pack_doc, prior, progress, dev, t0):
     """Every file of the pack into ``tmp``, the manifest last; (dense files, bytes per precision).
-    ``encodings``: (the precisions, each one's encoder settings)."""
-    precisions, options = encodings
+    ``encodings``: (the precisions, each one's encoder settings, the calibration text or None)."""
+    precisions, options, calib = encodings
     carried = {}
     for f in source.carried_files():
         shutil.copy2(f, tmp / f.name)
         carried[f.name] = {"crc32": file_crc32(tmp / f.name), "nbytes": (tmp / f.name).stat().st_size}
     dense_files = _write_dense(source, plan, tmp)
+    recorded = None
+    if calib is not None:  # pass 1: the experts' inputs on the calibration text, for pass 2's Hessians
+        layers = {L: LayerExperts(lay, lambda e, L=L: _read_expert(source, plan.layouts[L], plan.sources[L], e))
+                  for L, lay in plan.layouts.items()}
+        recorded = record(calib, config, _dense_units(source, plan), layers, tmp / ".calibration", dev)
     layer_docs, bytes_per_precision, expert_files = _write_experts(
-        source, plan.experts, plan.layouts, plan.sources, (precisions, options), tmp, progress, dev
+        source, plan.experts, plan.layouts, plan.sources, (precisions, options, recorded), tmp, progress, dev
     )
+    if recorded is not None:
+        shutil.rmtree(tmp / ".calibration")
+        pack_doc["calibration"] = {**calib.doc(), "uncalibrated": recorded.uncalibrated}
     (tmp / MANIFEST).write_text(
         manifest_json(
             model_type=config.model_type,
@@ -432,13 +417,14 @@ def _write_dense(source: SourceCheckpoint, plan: _Plan, out: Path) -> dict[str, 
 
 
 def _write_experts(source, experts, layouts, sources, encodings, out: Path, progress: bool, device: torch.device):
-    precisions, options = encodings
+    precisions, options, recorded = encodings
     total = sum(layouts[L].num_experts for L in layouts)
     bar = tqdm(total=total, desc="packing experts", unit="expert", disable=not progress)
     bytes_per_precision = dict.fromkeys(precisions, 0)
     layer_docs, expert_files = [], {}
-    for layer, (module_name, _) in experts.items():
+    for layer, (module_name, module) in experts.items():
         layout = layouts[layer]
+        inputs = recorded.layer(layer, module, layout) if recorded is not None else None
         blobs = {p: blob_layout(layout, p, options.get(p)) for p in precisions}
         handles, data_start, rel = {}, {}, {}
         for p in precisions:
@@ -458,8 +444,9 @@ def _write_experts(source, experts, layouts, sources, encodings, out: Path, prog
             for e in range(layout.num_experts):
                 tensors = {k: v.to(device) for k, v in _read_expert(source, layout, sources[layer], e).items()}
                 entry: dict = {"expert": e}
+                hessians = inputs.hessians(e, tensors) if inputs is not None else None  # GPTQ's, for int4
                 for p in precisions:
-                    blob, sqnr = blobs[p].encode(tensors)
+                    blob, sqnr = blobs[p].encode(tensors, hessians)
                     raw = memoryview(blob.numpy())
                     handles[p].write(raw)
                     entry[p] = {

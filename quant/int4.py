@@ -76,6 +76,13 @@ def _least_squares(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -
     return scale, offset
 
 
+def round_codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The nearest codes (float, 0..15) of ``x`` for a stored fp16 ``scale`` and zero point ``zero``
+    (in 1/16 steps), both broadcast against ``x``."""
+    s = scale.to(torch.float32)
+    return torch.where(s > 0, x / s + zero.to(torch.float32) / ZERO_STEPS, 0.0).round_().clamp_(0, LEVELS)  # a 0 scale: codes 0
+
+
 def _stored(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The stored form of a fit: fp16 scale, zero point in 1/16 steps, codes for those; and the
     squared error of each row as decoded."""
@@ -83,9 +90,8 @@ def _stored(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple
     s = s16.to(torch.float32)
     live = s > 0  # [n, 1]; a scale under fp16's smallest step is 0: that group decodes to zeros, its codes and zero point 0
     zero = torch.where(live, -offset / s * ZERO_STEPS, 0.0).round_().clamp_(0, 255)
-    z = zero / ZERO_STEPS
-    q = torch.where(live, x / s + z, 0.0).round_().clamp_(0, LEVELS)
-    err = ((q - z) * s - x).pow_(2).sum(dim=1, keepdim=True)
+    q = round_codes(x, s16, zero)
+    err = ((q - zero / ZERO_STEPS) * s - x).pow_(2).sum(dim=1, keepdim=True)
     return q, s16, zero, err
 
 
@@ -103,6 +109,14 @@ def fit(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     better = fitted[3] < base[3]  # [n, 1]
     q, s, z = (torch.where(better, a, b) for a, b in zip(fitted[:3], base[:3]))
     return q, s, z.to(torch.uint8)
+
+
+def group_params(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fit``'s scales fp16 ``[n, 1]`` and zero points uint8 ``[n, 1]`` alone, for the groups (rows)
+    of ``x`` float32 ``[n, G]``: what ``quant.gptq`` fits each group with before rounding its
+    columns one by one (``round_codes``)."""
+    _, s, z = fit(x)
+    return s, z
 
 
 def pack_codes(q: torch.Tensor) -> torch.Tensor:
@@ -134,6 +148,7 @@ class Int4:
     stacks = True
     per_output_row = True  # takes ``columns=True`` for weights stored [in, out]
     takes_group = True  # takes ``group=``, the group size asked for
+    takes_hessian = True  # takes ``hessian=``, the inputs' X^T X (calibrated packs)
     default_group = GROUP
 
     def fields(self, shape: tuple[int, ...], *, columns: bool = False, group: int = GROUP) -> tuple[FieldSpec, ...]:
@@ -150,7 +165,11 @@ class Int4:
                 FieldSpec("scale", torch.float16, (*lead, rows, cols // g)),
                 FieldSpec("zero", torch.uint8, (*lead, rows, cols // g)))
 
-    def quantize(self, weight: torch.Tensor, *, columns: bool = False, group: int = GROUP) -> QuantizedTensor:
+    def quantize(self, weight: torch.Tensor, *, columns: bool = False, group: int = GROUP,
+                 hessian: torch.Tensor | None = None) -> QuantizedTensor:
+        """``hessian`` ``[C, C]`` over the input axis (``X^T X`` of the inputs the weight sees, for a
+        ``columns=True`` weight too): GPTQ's rounding (``quant.gptq``) instead of the plain fit; the
+        stored form is the same. A tensor of one row ignores it."""
         shape = tuple(weight.shape)
         if weight.dim() < 2:
             return QuantizedTensor(self.name, shape, {"data": weight.detach().to(torch.bfloat16).contiguous()})
@@ -159,8 +178,18 @@ class Int4:
         w = w.transpose(-1, -2) if columns else w  # [*lead, R, C]
         groups = specs[1].shape[-1]
         try:
-            q, s, z = fit(w.reshape(-1, w.shape[-1] // groups))
+            if hessian is not None:
+                from . import gptq  # it builds on this module's fit
+
+                if tuple(hessian.shape) != (w.shape[-1],) * 2:
+                    raise ValueError(f"int4: a Hessian of shape {tuple(hessian.shape)} for a {shape} weight with {w.shape[-1]} "
+                                     f"inputs; expected {(w.shape[-1],) * 2}")
+                q, s, z = gptq.quantize(w.reshape(-1, w.shape[-1]), hessian, w.shape[-1] // groups)
+            else:
+                q, s, z = fit(w.reshape(-1, w.shape[-1] // groups))
         except ValueError as e:
+            if str(e).startswith("int4:"):
+                raise
             raise ValueError(f"precision 'int4': a {shape} weight has {e}") from None
         return QuantizedTensor(self.name, shape, {specs[0].name: pack_codes(q.view(w.shape)).contiguous(),
                                                   "scale": s.view(specs[1].shape).contiguous(),

@@ -32,6 +32,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from tiers.loader.text import TOKENIZER_FILES  # noqa: E402  (a checkpoint carrying one of these has a tokenizer)
+
 DEMO_MODEL = dict(
     model_type="mixtral", hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=256, max_position_embeddings=512,
@@ -54,7 +56,6 @@ tiers:
   nvme: {precision: bf16}
 """
 PROMPT = "Experts live in three tiers:"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,7 @@ def describe(path: str) -> dict:
     prior = m.routing_prior
     out["routing_prior"] = None if prior is None else {
         "layers": sorted(prior), "lookups": int(sum(sum(row) for row in prior.values()))}
+    out["calibration"] = m.pack.get("calibration")  # pack --calibration: int4 rounded by GPTQ for this text
     return out
 
 
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     prior = info["routing_prior"]
     print("routing prior: none (loads without a routing file place experts round-robin over layers)" if prior is None else
           f"routing prior: {prior['lookups']} lookups over MoE layers {prior['layers']} (loads without a routing file rank by it)")
+    cal = info["calibration"]
+    if cal:
+        print(f"int4 calibrated (GPTQ) on {cal.get('tokens')} tokens of {cal.get('file')}"
+              + (f"; {cal['uncalibrated']} experts no calibration token reached kept the plain fit" if "uncalibrated" in cal else ""))
     print(f"{'layer':>5}  {'experts':>7}  " + "  ".join(f"{p + ' KiB':>10} {p + ' dB':>8}" for p in info["precisions"]))
     for r in info["layers"]:
         cells = []

@@ -1,6 +1,7 @@
 """tiers-pack: convert a Hugging Face MoE checkpoint directory into the packed tier format.
 
     python tools/pack.py SRC DST [--config tiers.yaml] [--precisions bf16,int8] [--routing routing.json] [--overwrite]
+                         [--calibration TEXT [--calibration-windows 64] [--calibration-length 512]]
     python tools/pack.py PACKED --set-routing routing.json     # embed a routing prior in an existing pack
     python tools/pack.py PACKED --clear-routing                # remove it
 """
@@ -15,6 +16,7 @@ import argparse  # noqa: E402
 
 import yaml  # noqa: E402
 
+from tiers.loader.calibrate import DEFAULT_LENGTH, DEFAULT_WINDOWS  # noqa: E402
 from tiers.loader.pack import DEFAULT_PRECISIONS, pack  # noqa: E402
 from tiers.loader.packed import set_routing_prior  # noqa: E402
 from tiers.config import load_config, precisions_needed  # noqa: E402
@@ -44,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="where to quantize experts: cpu (default) or cuda (faster for large models)")
     ap.add_argument("--routing", metavar="FILE", help="a routing file (tiers.save_routing) to embed as the routing prior, "
                     "which ranks the experts for the hot and warm sets of loads given no routing file")
+    ap.add_argument("--calibration", metavar="FILE", help="calibrate int4 (GPTQ) on this text: UTF-8, tokenized by SRC's "
+                    "tokenizer (bytes for a vocabulary of 256), or token ids as .json or .npy; never the text you evaluate on")
+    ap.add_argument("--calibration-windows", type=int, default=DEFAULT_WINDOWS, metavar="N",
+                    help=f"windows of the calibration text, evenly spaced (default {DEFAULT_WINDOWS})")
+    ap.add_argument("--calibration-length", type=int, default=DEFAULT_LENGTH, metavar="TOKENS",
+                    help=f"tokens per calibration window (default {DEFAULT_LENGTH})")
     ap.add_argument("--set-routing", metavar="FILE", help="embed FILE as the routing prior of the packed checkpoint SRC "
                     "(its manifest is replaced whole; nothing is re-packed)")
     ap.add_argument("--clear-routing", action="store_true", help="remove the routing prior of the packed checkpoint SRC")
@@ -71,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.precisions:
             precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
         summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device,
-                       routing=args.routing, options=options)
+                       routing=args.routing, options=options, calibration=args.calibration,
+                       calibration_windows=args.calibration_windows, calibration_length=args.calibration_length)
     except EXPECTED_ERRORS as e:
         return _error(e, f"packing {args.src} into {args.dst}")
     print(summary)

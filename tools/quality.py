@@ -38,18 +38,17 @@ import gc  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import shlex  # noqa: E402
-from collections.abc import Iterator, Sequence  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from dataclasses import asdict, astuple, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from tiers.loader.packed import Manifest, read_manifest  # noqa: E402
-from tiers.tools.demo import TOKENIZER_FILES  # noqa: E402
+from tiers.loader.text import TOKENIZER_FILES, Text, eval_windows, read_tokens  # noqa: E402
 
 REFERENCE = "bf16"
 # What a user can cause and fix (a bad path, pack, text or precision): one line on stderr and exit
@@ -58,21 +57,6 @@ EXPECTED_ERRORS = (ValueError, OSError)
 
 
 # -- the figures ------------------------------------------------------------------------------
-def eval_windows(tokens: bytes | Sequence[int] | torch.Tensor, count: int, length: int) -> torch.Tensor:
-    """``count`` windows of ``length`` tokens of ``tokens`` (the bytes of a text, or token ids),
-    evenly spaced from its first token to its last (the first starts at token 0, the last ends at
-    the end): token ids [count, length]."""
-    if length < 2 or count < 1 or len(tokens) < length:
-        raise ValueError(f"cannot take {count} windows of {length} tokens from {len(tokens)} tokens")
-    if isinstance(tokens, (bytes, bytearray)):
-        ids = torch.frombuffer(bytearray(tokens), dtype=torch.uint8).long()  # [n]
-    else:
-        ids = torch.as_tensor(tokens, dtype=torch.long)  # [n]
-    last = len(ids) - length
-    starts = [i * last // (count - 1) if count > 1 else 0 for i in range(count)]
-    return torch.stack([ids[s:s + length] for s in starts])  # [count, length]
-
-
 @torch.no_grad()
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
     """The model's logits [W, L, vocab] over the windows, all windows in one batched forward."""
@@ -150,15 +134,6 @@ def figures(ref_logits: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -
 
 
 # -- the input, checked before any model runs -------------------------------------------------
-@dataclass(frozen=True)
-class Text:
-    """The tokens to measure over, and what a token is: ``byte`` for a byte-level model, else ``token``."""
-
-    ids: torch.Tensor  # [n] int64
-    unit: str
-    source: str  # how TEXT was read: "utf-8 bytes", "tokenizer", ".json ids", ".npy ids"
-
-
 def precisions_to_compare(manifest: Manifest, asked: str | None) -> list[str]:
     """The precisions to measure: those ``--precisions`` names (each packed), else every packed one but bf16."""
     root = str(manifest.root)
@@ -200,73 +175,9 @@ def has_tokenizer(manifest: Manifest) -> bool:
 
 
 def read_text(path: str, manifest: Manifest, vocab: int) -> Text:
-    """TEXT's token ids, each checked against the vocabulary: ids from .json or .npy, else UTF-8
-    text through the pack's tokenizer, else (byte-level model) its bytes."""
-    unit = "token" if has_tokenizer(manifest) or vocab != 256 else "byte"
-    suffix = Path(path).suffix.lower()
-    if suffix == ".json":
-        ids, source = _json_ids(path), ".json ids"
-    elif suffix == ".npy":
-        ids, source = _npy_ids(path), ".npy ids"
-    else:
-        data = Path(path).read_bytes()
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start}); give UTF-8 text, "
-                             f"or token ids as .json (a list of ints) or .npy (a 1-D integer array)") from None
-        if has_tokenizer(manifest):
-            ids, source = _tokenize(manifest, text), "tokenizer"
-        elif vocab == 256:
-            ids, source = torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), "utf-8 bytes"
-        else:
-            raise ValueError(f"{manifest.root}: carries no tokenizer ({', '.join(TOKENIZER_FILES)}) and its model's vocabulary is "
-                             f"{vocab}, not 256 (byte-level), so {path} cannot be tokenized; give token ids as .json or .npy")
-    if ids.numel():
-        bad = ((ids < 0) | (ids >= vocab)).nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
-            raise ValueError(f"{path}: token id {int(ids[i])} at position {i} is outside the vocabulary of {manifest.root} "
-                             f"(0..{vocab - 1})")
-    return Text(ids=ids, unit=unit, source=source)
-
-
-def _json_ids(path: str) -> torch.Tensor:
-    try:
-        doc = json.loads(Path(path).read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(doc, list):
-        raise ValueError(f"{path}: expected a JSON list of token ids, got a {type(doc).__name__}")
-    bad = next((i for i, x in enumerate(doc) if not isinstance(x, int) or isinstance(x, bool)), None)
-    if bad is not None:
-        raise ValueError(f"{path}: entry {bad} is {json.dumps(doc[bad])[:40]}, not a token id (an int)")
-    try:
-        return torch.tensor(doc, dtype=torch.long)
-    except (OverflowError, RuntimeError):
-        raise ValueError(f"{path}: a token id does not fit in 64 bits") from None
-
-
-def _npy_ids(path: str) -> torch.Tensor:
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except ValueError as e:
-        raise ValueError(f"{path}: not a .npy array ({e})") from None
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu" or arr.ndim != 1:
-        raise ValueError(f"{path}: expected a 1-D integer array of token ids, got {arr.ndim}-D {arr.dtype}")
-    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"{path}: token id {int(arr.max())} does not fit in 64 bits")
-    return torch.from_numpy(arr.astype(np.int64))
-
-
-def _tokenize(manifest: Manifest, text: str) -> torch.Tensor:
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(manifest.root))
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{manifest.root}: cannot load its tokenizer ({e})") from None
-    return torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    """TEXT's token ids, each checked against the vocabulary (``loader.text.read_tokens``): ids from
+    .json or .npy, else UTF-8 text through the pack's tokenizer, else (byte-level model) its bytes."""
+    return read_tokens(path, vocab, manifest.root, tokenizer=has_tokenizer(manifest))
 
 
 # -- running the models -----------------------------------------------------------------------
