@@ -7,7 +7,9 @@ On a CUDA machine. Experts of gpt-oss-20b's shapes (``gate_up_proj`` [2880, 5760
 32 of them in pinned memory, in each 4-bit precision (MXFP4 only for gpt-oss) and INT8. Times
 ``quant.direct.fetch`` of 4 picks (a decode call's misses, gpt-oss's top-4; for Qwen3 8, its
 top-8) into bf16 slots, by CUDA events, median of ``--reps`` after warm-ups; the rate counts the
-blob bytes read. For the 4-bit kernel, each (rows, codes) tile shape of ``TILES``.
+blob bytes read. For the 4-bit kernel, each (rows, codes, warps) of ``TILES``: the first run
+(``direct4_rate.json``) had programs of 4096 codes on 4 warps; ``--tiles large`` times programs
+of 8192 and 16384 codes on 4 and 8 warps (INT8's kernel reads 8192 bytes a program on 8).
 """
 import os
 import sys
@@ -22,7 +24,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-TILES = [(32, 128), (8, 512), (4, 1024), (2, 2048), (16, 256), (1, 4096)]
+TILES = {"first": [(32, 128, 4), (8, 512, 4), (4, 1024, 4), (2, 2048, 4), (16, 256, 4), (1, 4096, 4)],
+         "large": [(4, 1024, 4), (8, 1024, 4), (8, 1024, 8), (4, 2048, 8), (16, 1024, 8), (8, 2048, 8), (4, 4096, 8)]}
 MODELS = {
     "gpt_oss": dict(shapes=((2880, 5760), (2880, 2880)), transposed=True, picks=4, precisions=("mxfp4", "int4", "nf4", "int8")),
     "qwen3_moe": dict(shapes=((1536, 2048), (2048, 768)), transposed=False, picks=8, precisions=("int4", "nf4", "int8")),
@@ -87,18 +90,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default="experiments/results/direct4_rate.json")
+    ap.add_argument("--tiles", choices=sorted(TILES), default="first")
     args = ap.parse_args()
     from tiers.quant import direct, direct4_kernel
 
-    result = {"command": "python3 experiments/direct4_rate.py --reps %d" % args.reps, "device": torch.cuda.get_device_name(), "rows": []}
+    result = {"command": f"python3 experiments/direct4_rate.py --reps {args.reps} --tiles {args.tiles}", "device": torch.cuda.get_device_name(),
+              "rows": []}
     for model, spec in MODELS.items():
         for precision in spec["precisions"]:
             blob, buf = experts(model, precision, 32)
-            tiles = TILES if precision != "int8" else [None]
+            tiles = TILES[args.tiles] if precision != "int8" else [None]
             for tile in tiles:
                 if tile:
-                    direct.TILE_R, direct.TILE_C = tile
-                    direct4_kernel.TILE_R, direct4_kernel.TILE_C = tile
+                    direct.TILE_R, direct.TILE_C = tile[:2]
+                    direct4_kernel.TILE_R, direct4_kernel.TILE_C, direct4_kernel.WARPS = tile
                 row = {"model": model, "precision": precision, "tile": tile, **rate(blob, buf, model, args.reps)}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
