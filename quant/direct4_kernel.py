@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .direct import MAX_BLOCKS, TILE_C, TILE_R
-from .direct_kernel import launch_key, plan_of
+from .direct_kernel import launch_key, pick, plan_of
 from .launch import triton_relauncher
 
 WARPS = 4
@@ -75,19 +75,7 @@ def _fetch4(src, starts, resident, picks, dst, ids, counts, usage, tables,
             TR: tl.constexpr, TC: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
-    e = tl.load(picks + j)
-    if PLANNED:  # ``plan`` decided: decode into dst[j] when it is a slot; resident, ids, counts unused
-        slot = tl.load(dst + j).to(tl.int64)
-        go = slot >= 0
-    else:
-        r = tl.load(resident + e)
-        slot = tl.where(r >= 0, r, tl.load(dst + j)).to(tl.int64)
-        go = r < 0
-        if b == 0:
-            tl.store(ids + j, slot)
-            tl.atomic_add(counts + (r < 0).to(tl.int32), 1)
-            if USAGE:
-                tl.atomic_add(usage + e, 1)
+    e, slot, go = pick(j, b, picks, resident, dst, ids, counts, usage, USAGE, PLANNED)
     if go:
         base = src + tl.load(starts + e)
         if b < nt0:

@@ -39,13 +39,9 @@ def _block(src, data, scale, out, b, n, cols, QUANT: tl.constexpr, COLS: tl.cons
 
 
 @triton.jit
-def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
-           out0, d0, s0, n0, c0, nb0,
-           out1, d1, s1, n1, c1, nb1,
-           out2, d2, s2, n2, c2,
-           QUANT: tl.constexpr, COLS: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr, BLOCK: tl.constexpr):
-    j = tl.program_id(0)
-    b = tl.program_id(1)
+def pick(j, b, picks, resident, dst, ids, counts, usage, USAGE: tl.constexpr, PLANNED: tl.constexpr):
+    """Pick ``j``'s expert, its slot and whether program (j, b) decodes into it; program (j, 0)
+    of an unplanned launch also writes ``ids[j]`` and counts the pick (shared by the 4-bit kernel)."""
     e = tl.load(picks + j)
     if PLANNED:  # ``plan`` decided: decode into dst[j] when it is a slot; resident, ids, counts unused
         slot = tl.load(dst + j).to(tl.int64)
@@ -59,6 +55,18 @@ def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
             tl.atomic_add(counts + (r < 0).to(tl.int32), 1)
             if USAGE:
                 tl.atomic_add(usage + e, 1)
+    return e, slot, go
+
+
+@triton.jit
+def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
+           out0, d0, s0, n0, c0, nb0,
+           out1, d1, s1, n1, c1, nb1,
+           out2, d2, s2, n2, c2,
+           QUANT: tl.constexpr, COLS: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr, BLOCK: tl.constexpr):
+    j = tl.program_id(0)
+    b = tl.program_id(1)
+    e, slot, go = pick(j, b, picks, resident, dst, ids, counts, usage, USAGE, PLANNED)
     if go:
         base = src + tl.load(starts + e)
         if b < nb0:
