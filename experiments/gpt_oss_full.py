@@ -12,8 +12,10 @@ runs in a process of its own, so that each one's peak host RSS (VmHWM) is its ow
   bytes) and ``*_scales`` (random exponents 116-120, so that weights stay within +-0.05), bf16
   biases; every other tensor bf16. Written layer by layer, generated on the GPU.
 - ``pack``: ``tiers.loader.pack.pack`` of it in the ``mxfp4`` precision (the checkpoint's bytes kept).
-- one ``arm`` each, loaded from that pack with every tier in ``mxfp4`` (hot experts dequantized
-  into bf16 on the GPU; the rest warm in pinned RAM as MXFP4, 4.25 bits per weight over PCIe):
+- one ``arm`` each, loaded from that pack with every tier in ``mxfp4`` (hot experts kept MXFP4 on
+  the GPU, ``tiers.gpu.precision: mxfp4``; the committed result was measured at commit abe43ae,
+  before hot experts stayed quantized, with them dequantized into bf16 slots at load; the rest warm
+  in pinned RAM as MXFP4, 4.25 bits per weight over PCIe):
   - ``gpu25``: a GPU budget of 25% of the checkpoint's expert bytes (MXFP4), ``tiers.gpu.budget``;
   - ``gpu25_bf16``: ``tiers.gpu.fraction: 0.25``, 25% of the experts' bytes at bf16 (the YAML default);
   - ``all_hot``: every expert on the GPU (``fraction: 1.0``), the same model with nothing moved;

@@ -49,7 +49,7 @@ from tiers.slots import Slots
 from tiers.stats import StatsCollector
 from tiers.store.disk_store import DiskStore
 from tiers.store.host_pool import HostPool
-from tiers.store.pools import SlotPool
+from tiers.store.pools import BlobPool, SlotPool
 from tiers.store.table import Home, Residency, Table
 from tiers.transfer.read_ahead import ReadAhead
 from tiers.transfer.staging import Staging
@@ -86,11 +86,13 @@ class Manager:
             self.pools.append(pool)
             self.pool_of.update({L: pool for L in g.layers})
         self.host = HostPool(self._host_bytes(rebalancing), pin=device.type == "cuda")
+        self.gpu_pool = BlobPool(placement.gpu_pool_bytes, device) if placement.gpu_pool else None  # quantized hot experts
         homes = {k: Residency(Home.GPU) for k in placement.hot}
+        homes |= {k: Residency(Home.GPU, self.gpu_pool.alloc(manifest.ref(k, cfg.gpu.precision).nbytes)) for k in placement.gpu_pool}
         homes |= {k: Residency(Home.CPU, self.host.alloc(manifest.ref(k, cfg.cpu.precision).nbytes, "warm")) for k in placement.warm}
         homes |= {k: Residency(Home.NVME) for k in placement.cold}
         self.table = Table(homes, [p.n_slots for p in self.pools], {L: p.index for L, p in self.pool_of.items()})
-        needed = ({cfg.gpu.precision} if placement.hot else set()) | ({cfg.cpu.precision} if placement.warm else set())
+        needed = ({cfg.gpu.precision} if placement.hot or placement.gpu_pool else set()) | ({cfg.cpu.precision} if placement.warm else set())
         needed |= {cfg.nvme.precision} if placement.cold else set()
         if rebalancing:  # any expert may move to any tier
             needed |= {cfg.gpu.precision, cfg.cpu.precision, cfg.nvme.precision}
@@ -100,7 +102,8 @@ class Manager:
         self.uploads = Uploads(self.host, self.streams, device, self._upload_length())
         transit = {p.index: (g.transit_rows, g.transit_bytes) for p, g in zip(self.pools, placement.groups)}
         self.staging = Staging(manifest, self.table, self.pools, transit, self.host, self.disk, self.uploads, self.streams, self.stats_,
-                               precisions=(cfg.cpu.precision, cfg.nvme.precision), rings=bool(placement.cold or rebalancing), clock=clock)
+                               precisions=(cfg.cpu.precision, cfg.nvme.precision), rings=bool(placement.cold or rebalancing), clock=clock,
+                               gpu_pool=(self.gpu_pool, cfg.gpu.precision) if self.gpu_pool is not None else None)
         cold_reads = bool(placement.cold or rebalancing)
         self.read_ahead = ReadAhead(self.table, self.disk, self.staging, self.stats_, cfg.nvme.precision) if cold_reads else None
         # -- policy
@@ -153,7 +156,7 @@ class Manager:
         one into its place in the pinned pool, on ``LOAD_THREADS`` threads; hot experts are read
         ahead into a few scratch buffers while this thread copies the previous ones up, in order."""
         hot, warm = list(self.placement.hot), list(self.placement.warm)
-        bar = tqdm(total=len(hot) + len(warm), desc="loading experts", unit="expert", disable=not progress)
+        bar = tqdm(total=len(hot) + len(warm) + len(self.placement.gpu_pool), desc="loading experts", unit="expert", disable=not progress)
         gp, cp = self.cfg.gpu.precision, self.cfg.cpu.precision
         next_slot = [0] * len(self.pools)
         threads = max(1, min(self.LOAD_THREADS, os.cpu_count() or 1))
@@ -179,9 +182,26 @@ class Manager:
             for f in futures:
                 f.result()
                 bar.update(1)
+            if self.gpu_pool is not None:
+                self._load_gpu_pool(ex, bar)
         bar.close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _load_gpu_pool(self, ex: ThreadPoolExecutor, bar: Any) -> None:
+        """Read every quantized hot expert's blob and copy it to its place in the GPU's blob pool, the
+        next ones read while this thread copies (two scratch buffers)."""
+        gp, keys = self.cfg.gpu.precision, list(self.placement.gpu_pool)
+        size = max(self.manifest.ref(k, gp).nbytes for k in keys)
+        scratch = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+        reads = {i: ex.submit(self.disk.read, keys[i], gp, scratch[i][: self.manifest.ref(keys[i], gp).nbytes]) for i in range(min(2, len(keys)))}
+        for i, key in enumerate(keys):
+            reads.pop(i).result()
+            n = self.manifest.ref(key, gp).nbytes
+            self.gpu_pool.view(self.table[key].host_offset, n).copy_(scratch[i % 2][:n])  # from pageable memory: done on return
+            if i + 2 < len(keys):
+                reads[i + 2] = ex.submit(self.disk.read, keys[i + 2], gp, scratch[i % 2][: self.manifest.ref(keys[i + 2], gp).nbytes])
+            bar.update(1)
 
     # -- a layer call --------------------------------------------------------------------------------
     def proxy(self, module: torch.nn.Module, pool: SlotPool) -> compute.SlotExperts:

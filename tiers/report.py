@@ -24,8 +24,9 @@ def _precision(mgr: Any, home: Home) -> str:
 
 
 def _expert_bytes(mgr: Any, key, home: Home) -> int:
-    """What an expert takes in its tier: its slot at compute precision on the GPU, its blob elsewhere."""
-    if home is Home.GPU:
+    """What an expert takes in its tier: its slot at compute precision on the GPU (its blob when it
+    stays quantized there), its blob elsewhere."""
+    if home is Home.GPU and mgr.gpu_pool is None:
         return mgr.manifest.layers[key.layer].layout.nbytes()
     return mgr.manifest.blob(key, _precision(mgr, home)).stride
 
@@ -33,7 +34,8 @@ def _expert_bytes(mgr: Any, key, home: Home) -> int:
 def gpu_bytes(mgr: Any) -> dict[str, int]:
     slots = sum(p.nbytes for p in mgr.pools)
     transit = sum(t.numel() for t in mgr.staging.transit.values())
-    return {"slots": slots, "transit": transit, "total": slots + transit}
+    blobs = mgr.gpu_pool.capacity if mgr.gpu_pool is not None else 0
+    return {"slots": slots, "transit": transit, "quantized_hot": blobs, "total": slots + transit + blobs}
 
 
 def host_layout(mgr: Any) -> dict[str, int]:
@@ -118,7 +120,10 @@ def summary(mgr: Any) -> list[str]:
     used = gpu_bytes(mgr)["total"]
     total = len(mgr.manifest.keys)
     gpu = f"gpu: {hot} hot + {staging} staging slots, {_human(used)} of {_human(p.gpu_budget)} ({hot} of {total} experts hot)"
-    if staging and not hot:
+    if p.gpu_pool:
+        gpu = (f"gpu: {len(p.gpu_pool)} of {total} experts hot in {cfg.gpu.precision} ({_human(p.gpu_pool_bytes)}) + {staging} staging "
+               f"slots, {_human(used)} of {_human(p.gpu_budget)}")
+    elif staging and not hot:
         gpu += "; the staging slots misses need took the whole budget, so no expert is hot: raise tiers.gpu.fraction or budget"
     host = host_layout(mgr)
     cpu = (f"cpu: {len(p.warm)} warm experts ({cfg.cpu.precision}), {_human(host.get('warm', 0))} of {_human(p.cpu_budget)}, "

@@ -183,12 +183,14 @@ def read_text(path: str, manifest: Manifest, vocab: int) -> Text:
 # -- running the models -----------------------------------------------------------------------
 @contextmanager
 def loaded(packed: str, precision: str, device: str) -> Iterator[torch.nn.Module]:
-    """The pack with every expert on the device, dequantized from ``precision``'s blobs; its readers
+    """The pack with every expert in ``precision`` (hot on the device as far as the budget of all
+    experts' bf16 bytes holds them, any other warm or cold in the same precision); its readers
     stopped and its memory freed on the way out, before the next model loads."""
     import tiers
     from tiers.api import manager_of
 
-    model = tiers.load(packed, {"tiers": {"gpu": {"fraction": 1.0, "precision": precision}}}, device=device, progress=False)
+    every = {"gpu": {"fraction": 1.0, "precision": precision}, "cpu": {"precision": precision}, "nvme": {"precision": precision}}
+    model = tiers.load(packed, {"tiers": every}, device=device, progress=False)
     try:
         yield model
     finally:

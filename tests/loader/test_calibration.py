@@ -86,7 +86,8 @@ def test_calibrated_pack_loads_and_its_int4_stays_near_bf16(packs):
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     logits = {}
     for p in ("bf16", "int4"):
-        model = tiers.load(calibrated, {"tiers": {"gpu": {"fraction": 1.0, "precision": p}}}, device="cpu", progress=False)
+        every = {"gpu": {"fraction": 1.0, "precision": p}, "cpu": {"precision": p}, "nvme": {"precision": p}}  # every expert in p
+        model = tiers.load(calibrated, {"tiers": every}, device="cpu", progress=False)
         with torch.no_grad():
             logits[p] = model(ids).logits.float()
         tiers.api.manager_of(model).close()

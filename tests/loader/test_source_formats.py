@@ -327,32 +327,30 @@ def mxfp4_packed(mxfp4_pair, tmp_path_factory) -> Path:
 
 
 def test_mxfp4_tiers_stage_the_checkpoints_values(mxfp4_pair, mxfp4_packed, device, gpt_oss_packs):
-    """With every tier at mxfp4, hot experts are dequantized into their slots at load, warm and
-    cold ones when staged: every slot holds the checkpoint's decoded values bit for bit."""
+    """With every tier at mxfp4, hot experts stay MXFP4 on the GPU (its blob pool) and, like warm
+    and cold ones, are dequantized when staged: every slot holds the checkpoint's decoded values
+    bit for bit; the hot ones moved no bytes between tiers."""
     twin = SourceCheckpoint(mxfp4_pair[1])
     cfg = {"tiers": {"gpu": {"fraction": 0.3, "precision": "mxfp4"}, "cpu": {"fraction": 0.3, "precision": "mxfp4"},
                      "nvme": {"precision": "mxfp4"}}}
     model = tiers.load(mxfp4_packed, cfg, device=device, progress=False)
     mgr = tiers.api.manager_of(model)
     p = mgr.placement
-    assert p.hot and p.warm and p.cold
+    assert p.gpu_pool and p.warm and p.cold and not p.hot
     checked = 0
-    for key in list(p.hot) + list(p.warm)[:2] + list(p.cold)[:2]:
+    for key in list(p.gpu_pool)[:2] + list(p.warm)[:2] + list(p.cold)[:2]:
         pool = mgr.pool_of[key.layer]
-        if mgr.table[key].hot:
-            slot, held = mgr.table[key].slot, None
-        else:
-            held = mgr.slots.acquire(key)
-            mgr.slots.wait_all([held])
-            slot = held.slot
+        moved = dict(mgr.stats_.bytes_moved)
+        held = mgr.slots.acquire(key)
+        mgr.slots.wait_all([held])
         prefix = mgr.manifest.layers[key.layer].module
-        for name, got in pool.tensors(slot).items():
+        for name, got in pool.tensors(held.slot).items():
             want = twin.get_expert(f"{prefix}.{name}", key.expert)
             assert torch.equal(_bits(got.cpu()), _bits(want)), (key, name)
-        if held is not None:
-            mgr.slots.release_all([held])
+        mgr.slots.release_all([held])
+        assert (mgr.stats_.bytes_moved == moved) == (key in p.gpu_pool), key
         checked += 1
-    assert checked == len(p.hot) + 4
+    assert checked == 6
     mgr.close()
 
 

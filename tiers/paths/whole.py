@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tiers.loader.layout import ExpertKey
+from tiers.store.table import Home
 from tiers.paths import compute
 from tiers.paths.routing import HOST_ROUTED_ROWS
 from tiers.paths.streamed import Stream, StreamedPath, Whole
@@ -237,7 +238,9 @@ class WholePath:
             key = ExpertKey(layer, e)
             if e in w.took or e in read:
                 cache.access(key)
-            stats.lookup("cpu" if e in read else "gpu")
+            stats.lookup(mgr.table[key].home.value if e in read else "gpu")  # a quantized hot expert read is a gpu hit
         for e in read.difference(used):
-            stats.unused_reads += 1
-            stats.unused_bytes += mgr.manifest.ref(ExpertKey(layer, e), mgr.staging.cpu_precision).nbytes
+            r = mgr.table[ExpertKey(layer, e)]
+            if r.home is not Home.GPU:  # read in vain over PCIe (a quantized hot one moved no bytes)
+                stats.unused_reads += 1
+                stats.unused_bytes += mgr.manifest.ref(ExpertKey(layer, e), mgr.staging.precision_of(r)).nbytes

@@ -11,6 +11,12 @@ bytes: a transit row per staging slot where lossy experts are small enough to st
 (``STACK_BYTES``), else ``TRANSIT_RING`` rows at most; when every expert fits, no staging slot is
 reserved. A gpu ``fraction`` is of the bytes of all experts at compute precision (bf16); a cpu
 ``fraction`` is of the bytes of all experts at the cpu tier's precision (4 KiB aligned blobs).
+
+Quantized hot experts (``tiers.gpu.precision`` not bf16): the budget holds the staging slots as
+above and, in what is left, the hot experts' blobs in the gpu precision (``Placement.gpu_pool``,
+counted at their 4 KiB aligned size), so it holds about 16 / bits-per-weight times as many; no
+slot is hot, and every call that uses one dequantizes it into a staging slot. The rebalancer
+does not move them yet: a config that asks for both is refused.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tiers import quant
 from tiers.loader.layout import ExpertKey
 from tiers.loader.pack_files import read_owned
 from tiers.loader.packed import Manifest
@@ -48,11 +55,13 @@ class Placement:
     groups: tuple[GroupPlan, ...]
     gpu_budget: int
     cpu_budget: int
+    gpu_pool: tuple[ExpertKey, ...] = ()  # quantized hot experts: blobs of the gpu precision kept on the GPU
+    gpu_pool_bytes: int = 0
 
     @property
     def gpu_bytes(self) -> int:
-        """Slot memory plus transit buffers: what the gpu budget bounds."""
-        return sum(g.n_slots * g.slot_bytes + g.transit_rows * g.transit_bytes for g in self.groups)
+        """Slot memory, transit buffers and the quantized hot experts' blobs: what the gpu budget bounds."""
+        return sum(g.n_slots * g.slot_bytes + g.transit_rows * g.transit_bytes for g in self.groups) + self.gpu_pool_bytes
 
 
 def preference_order(manifest: Manifest, routing: Mapping[int, Sequence[float]] | None = None) -> list[ExpertKey]:
@@ -168,8 +177,10 @@ class _Sizes:
             self.groups.setdefault(entry.layout.signature, []).append(L)
 
     def lossy(self, L: int) -> list:
-        blobs = self.manifest.layers[L].blobs
-        return [blobs[p] for p in (self.cfg.cpu.precision, self.cfg.nvme.precision) if p in blobs and p != "bf16"]
+        """The layer's blobs that are dequantized through a transit row: the cpu and nvme tiers', and
+        the gpu tier's where hot experts stay quantized."""
+        blobs, cfg = self.manifest.layers[L].blobs, self.cfg
+        return [blobs[p] for p in (cfg.cpu.precision, cfg.nvme.precision, cfg.gpu.precision) if p in blobs and p != "bf16"]
 
     def transit(self, L: int) -> int:
         """Bytes of a transit row for layer ``L``: its largest lossy blob's stride (0: none lossy)."""
@@ -203,6 +214,26 @@ def _plan_gpu(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: st
     """The hot experts and the staging slots per pool under ``budget`` bytes of GPU memory."""
     if budget >= sum(sizes.slot_bytes[k.layer] for k in order):
         return list(order), 0  # every expert fits: no staging slot
+    n_staging, reserved = _staging(sizes, budget, budget_key)
+    return _fill(order, sizes.slot_bytes, budget - reserved), n_staging
+
+
+def _plan_gpu_pool(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: str) -> tuple[list[ExpertKey], int, int]:
+    """Quantized hot experts: the staging slots per pool, and in the rest of ``budget`` the experts
+    whose gpu-precision blobs fit; (those experts, the staging slots, their blobs' bytes)."""
+    cfg, manifest = sizes.cfg, sizes.manifest
+    if cfg.rebalance.every_tokens:
+        raise ValueError(f"tiers.rebalance.every_tokens: the rebalancer moves bf16 hot experts, and with tiers.gpu.precision "
+                         f"{cfg.gpu.precision!r} the hot experts stay quantized; set it to 0, or tiers.gpu.precision to bf16")
+    n_staging, reserved = _staging(sizes, budget, budget_key)
+    stride = {L: e.blobs[cfg.gpu.precision].stride for L, e in manifest.layers.items()}
+    pool = _fill(order, stride, budget - reserved)
+    return pool, n_staging, sum(stride[k.layer] for k in pool)
+
+
+def _staging(sizes: _Sizes, budget: int, budget_key: str) -> tuple[int, int]:
+    """The staging slots per pool the config asks for (``auto``: ``_Sizes.auto_staging``) and the
+    bytes they take with their transit rows, checked against ``budget``."""
     n_staging = sizes.cfg.gpu.staging_slots
     if n_staging == "auto":
         n_staging = sizes.auto_staging(budget)
@@ -218,7 +249,7 @@ def _plan_gpu(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: st
             f"{budget_key}: {budget} bytes cannot hold the {n_staging} staging slot(s) misses need "
             f"({reserved} bytes with transit buffers); raise it to at least {reserved} or lower tiers.gpu.staging_slots"
         )
-    return _fill(order, sizes.slot_bytes, budget - reserved), n_staging
+    return n_staging, reserved
 
 
 def _plan_cpu(cfg: TiersConfig, manifest: Manifest, order: list[ExpertKey], rest: list[ExpertKey]) -> tuple[list[ExpertKey], int]:
@@ -247,8 +278,12 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
     gpu_key = "tiers.gpu.budget" if size.budget is not None else "tiers.gpu.fraction"
     gpu_budget = size.budget if size.budget is not None else int(size.fraction * sum(sizes.slot_bytes[k.layer] for k in order))
     _check_precision(manifest, "tiers.gpu.precision", cfg.gpu.precision)
-    hot, n_staging = _plan_gpu(sizes, order, gpu_budget, gpu_key)
-    hot_set = set(hot)
+    pool, pool_bytes = [], 0
+    if quant.get_scheme(cfg.gpu.precision).lossless:
+        hot, n_staging = _plan_gpu(sizes, order, gpu_budget, gpu_key)
+    else:
+        hot, (pool, n_staging, pool_bytes) = [], _plan_gpu_pool(sizes, order, gpu_budget, gpu_key)
+    hot_set = set(hot) | set(pool)
     rest = [k for k in order if k not in hot_set]
     warm, cpu_budget = _plan_cpu(cfg, manifest, order, rest)
     warm_set = set(warm)
@@ -266,4 +301,5 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
         )
         for Ls in sizes.groups.values()
     )
-    return Placement(tuple(sorted(hot)), tuple(sorted(warm)), tuple(sorted(cold)), groups, gpu_budget, cpu_budget)
+    return Placement(tuple(sorted(hot)), tuple(sorted(warm)), tuple(sorted(cold)), groups, gpu_budget, cpu_budget,
+                     tuple(sorted(pool)), pool_bytes)

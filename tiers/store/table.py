@@ -22,8 +22,10 @@ recorded after its last reader's kernels (the staging code waits on it). A reade
 pending write (``take_ready``) before its first kernel.
 
 Invariants (``check``): an expert sits in at most one slot and that slot names it; a hot slot
-holds a hot expert whose home is gpu; an expert's home is cpu exactly when it has a host place;
-the arrays over the grid agree with the records. Every transition checks its preconditions and
+holds a hot expert whose home is gpu; an expert whose home is cpu has a host place, one whose home
+is nvme none, and one whose home is gpu a place only as a quantized hot expert (its blob in the
+GPU's blob pool, ``tiers.store.pools.BlobPool``: never in a hot slot); the arrays over the grid
+agree with the records (``host_offset`` holds host places only). Every transition checks its preconditions and
 raises ``IllegalTransition`` naming the expert or slot, changing nothing.
 """
 from __future__ import annotations
@@ -61,7 +63,7 @@ class Residency(NamedTuple):
     pool), hot. Immutable (a tuple: made in C on every staged expert)."""
 
     home: Home
-    host_offset: int | None = None
+    host_offset: int | None = None  # home cpu: its place in the host pool; home gpu: in the GPU's blob pool (quantized hot)
     slot: int | None = None
     hot: bool = False
 
@@ -108,7 +110,7 @@ class Table:
         for key, r in homes.items():
             if r.slot is not None or r.hot:
                 raise IllegalTransition(f"{key}: experts start in no slot (place_hot puts them in)")
-            if (r.home is Home.CPU) != (r.host_offset is not None):
+            if not _placed_right(r):
                 raise IllegalTransition(f"{key}: home {r.home.value} with host offset {r.host_offset}")
         self._experts = dict(homes)
         self._pools = [_Pool(n) for n in pool_sizes]
@@ -255,6 +257,9 @@ class Table:
         r, p = self._experts[key], self._pools[pool]
         if r.home is not Home.GPU or r.slot is not None:
             raise IllegalTransition(f"place_hot {key}: needs home gpu and no slot, has home {r.home.value}, slot {r.slot}")
+        if r.host_offset is not None:
+            raise IllegalTransition(f"place_hot {key}: a quantized hot expert (its blob at {r.host_offset} of the GPU's blob pool) "
+                                    f"takes no hot slot")
         if p.occupant[slot] is not None or p.hot[slot] or p.reserved[slot] or self.pool_of[key.layer] != pool:
             raise IllegalTransition(f"place_hot {key}: slot {slot} of pool {pool} is not a free slot of its pool")
         p.occupant[slot], p.hot[slot] = key, True
@@ -416,7 +421,7 @@ class Table:
         """Assert every invariant of the module docstring (tests, and ``tiers.manifest``)."""
         seen: dict[tuple[int, int], ExpertKey] = {}
         for key, r in self._experts.items():
-            assert (r.home is Home.CPU) == (r.host_offset is not None), f"{key}: home {r.home} with host offset {r.host_offset}"
+            assert _placed_right(r), f"{key}: home {r.home} with host offset {r.host_offset}"
             assert not r.hot or (r.home is Home.GPU and r.slot is not None), f"{key}: hot with home {r.home}, slot {r.slot}"
             if r.slot is not None:
                 where = (self.pool_of[key.layer], r.slot)
@@ -426,7 +431,7 @@ class Table:
                 assert self._pools[where[0]].hot[r.slot] == r.hot, f"{key}: hot {r.hot}, slot {where} hot {not r.hot}"
             i = self.grid.index(key)
             assert self.hot_mask[i] == r.hot and self.warm_mask[i] == (r.home is Home.CPU), f"{key}: masks disagree"
-            assert self.hot_slot[i] == (r.slot if r.hot else -1) and self.host_offset[i] == (r.host_offset if r.host_offset is not None else -1)
+            assert self.hot_slot[i] == (r.slot if r.hot else -1) and self.host_offset[i] == (r.host_offset if r.home is Home.CPU else -1)
         for pi, p in enumerate(self._pools):
             assert all(p.reserved[s] == by for by, slots in p.by.items() for s in slots), f"pool {pi}: reservation index disagrees"
             for s, key in enumerate(p.occupant):
@@ -439,3 +444,12 @@ class Table:
                 assert p.reserved[s] is None or s in p.by.get(p.reserved[s], ()), f"slot {(pi, s)}: reservation index disagrees"
                 assert (s in p.pending) == (p.ready[s] is not None), f"slot {(pi, s)}: pending set disagrees"
                 assert p.ready[s] is None or p.writing[s], f"slot {(pi, s)}: a ready event without a write"
+
+
+def _placed_right(r: Residency) -> bool:
+    """Home cpu: a host place; home nvme: none; home gpu: a blob place only when quantized hot (never hot)."""
+    if r.home is Home.CPU:
+        return r.host_offset is not None
+    if r.home is Home.NVME:
+        return r.host_offset is None
+    return r.host_offset is None or not r.hot

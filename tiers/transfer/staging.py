@@ -71,16 +71,18 @@ class Staging:
 
     def __init__(self, manifest: Manifest, table: Table, pools: list[SlotPool], transit: dict[int, tuple[int, int]], host: HostPool,
                  disk: DiskStore, uploads: Uploads, streams: Any, stats: Any, *, precisions: tuple[str, str],
-                 rings: bool, clock: Callable[[], float]):
+                 rings: bool, clock: Callable[[], float], gpu_pool: tuple[Any, str] | None = None):
         """``transit``: pool -> (rows, bytes per row) of its transit buffer; ``precisions``: the cpu
-        and nvme tiers'; ``rings``: keep a pinned ring buffer per staging slot for disk reads."""
+        and nvme tiers'; ``rings``: keep a pinned ring buffer per staging slot for disk reads;
+        ``gpu_pool``: the quantized hot experts' ``BlobPool`` and its precision, if any."""
         self.manifest, self.table, self.pools, self.host, self.disk = manifest, table, pools, host, disk
         self.uploads, self.streams, self.stats, self.clock = uploads, streams, stats, clock
         self.cpu_precision, self.nvme_precision = precisions
+        self.gpu_pool, self.gpu_precision = gpu_pool if gpu_pool is not None else (None, None)
         self.device = pools[0].slabs[next(iter(pools[0].slabs))].device if pools else torch.device("cpu")
         self.timing = self.device.type == "cuda"
         self.copy_stream = streams.new_stream()
-        lossy = not all(quant.get_scheme(p).lossless for p in precisions)
+        lossy = not all(quant.get_scheme(p).lossless for p in (*precisions, *([self.gpu_precision] if gpu_pool else [])))
         self.dequant_stream = streams.new_stream() if lossy else self.copy_stream
         self.transit = {p: torch.empty(shape, dtype=torch.uint8, device=self.device) for p, shape in transit.items()}
         self.next_row = dict.fromkeys(self.transit, 0)  # per pool: the transit row the next lossy copy goes to (a ring)
@@ -115,19 +117,24 @@ class Staging:
         """Experts one stacked dequantization may take: a stack's copies take consecutive rows, so
         only a pool with a row per staging slot, whose lossy blobs are small, stacks."""
         staging = pool.n_slots - pool.hot
-        lossy = max((self.manifest.layers[L].blobs[p].nbytes for L in self._layers(pool) for p in (self.cpu_precision, self.nvme_precision)
+        lossy = max((self.manifest.layers[L].blobs[p].nbytes for L in self._layers(pool) for p in (self.cpu_precision, self.nvme_precision, self.gpu_precision)
                      if p in self.manifest.layers[L].blobs and not quant.get_scheme(p).lossless), default=0)
         return min(staging, self.STACK_EXPERTS) if lossy <= STACK_BYTES and rows >= staging else 1
 
     # -- sources -------------------------------------------------------------------------------
     def precision_of(self, r: Residency) -> str:
+        if r.home is Home.GPU:  # a quantized hot expert (a hot one is never staged)
+            return self.gpu_precision
         return self.cpu_precision if r.home is Home.CPU else self.nvme_precision
 
     def fetch(self, key: ExpertKey, r: Residency, pool: SlotPool, slot: int) -> tuple[str, str, torch.Tensor]:
-        """(precision, source tier, pinned bytes) of ``key``'s blob: a view into the host pool, or a
-        disk read into ``slot``'s ring buffer. Call before any state changes: a read can fail."""
+        """(precision, source tier, bytes) of ``key``'s blob: a view into the GPU's blob pool (a quantized
+        hot expert), into the pinned host pool, or a disk read into ``slot``'s pinned ring buffer. Call
+        before any state changes: a read can fail."""
         precision = self.precision_of(r)
         nbytes = self.manifest.ref(key, precision).nbytes
+        if r.home is Home.GPU:
+            return precision, "gpu", self.gpu_pool.view(r.host_offset, nbytes)
         if r.home is Home.CPU:
             return precision, "cpu", self.warm_view(r.host_offset, nbytes)
         src = self.ring_buffer(pool.index, slot, nbytes)
@@ -172,8 +179,9 @@ class Staging:
         return self._direct[key]
 
     def _check_pinned(self, src: torch.Tensor) -> None:
-        """Every H2D source is a view of the host pool: pinned when the pool is, checked per copy otherwise."""
-        if not self.host.pinned:
+        """Every H2D source is a view of the host pool: pinned when the pool is, checked per copy
+        otherwise (a view of the GPU's blob pool is no H2D source)."""
+        if not self.host.pinned and src.device.type == "cpu":
             assert_pinned(src, self.device)
 
     # -- batches -------------------------------------------------------------------------------
@@ -208,7 +216,7 @@ class Staging:
         self._after_read(b, pool, slot)
         t0 = self.clock()
         blob = self.manifest.blob(key, precision)
-        if self._reads_direct(pool, blob, direct_ok):
+        if source != "gpu" and self._reads_direct(pool, blob, direct_ok):  # a direct stack reads the host pool
             self._stage_direct(b, pool, slot, blob, src)
         else:
             self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
@@ -229,7 +237,11 @@ class Staging:
 
     def _count(self, pool: SlotPool, source: str, nbytes: int, t0: float) -> None:
         """Count ``nbytes`` staged into ``pool`` from ``source``; on the CPU, where copies run as
-        they are queued, the time since ``t0`` (on a GPU, events time the batches)."""
+        they are queued, the time since ``t0`` (on a GPU, events time the batches). Copies from the
+        GPU's own blob pool move no bytes between tiers: not counted."""
+        if source == "gpu":
+            self._count_time(t0)
+            return
         self.staged_bytes[pool.index] += nbytes
         self.stats.bytes_moved[source] = self.stats.bytes_moved.get(source, 0) + nbytes
         self._count_time(t0)
