@@ -18,6 +18,11 @@ on CUDA). One launch decodes up to three tensors of one encoding; an expert of m
 encodings (an INT8 expert with biases), is decoded by one launch per group of them
 (``DirectExpert.groups``).
 
+Two sources: ``starts[e] >= 0`` is a byte offset into ``src``; ``starts[e] < 0`` one into
+``dev`` (``-1 - starts[e]``), the GPU's blob pool of quantized hot experts, whose ``resident``
+entry is ``QUANTIZED_HOT`` (-2): a decode from it, counted apart by ``plan``, moves no bytes
+between tiers. Without ``dev``, every start is into ``src``.
+
 Also ``fetch_cached``: the same over a ``SlotCache``, slots that keep what they decoded across
 calls. ``plan`` decides each pick's slot on the device (one program, the picks in order): a
 resident pick reports its slot, a pick whose expert a cache slot holds reports that slot, and
@@ -40,6 +45,7 @@ from .launch import kernel_module
 # precision -> (the field holding the encoded data, the field of per-row scales or None)
 FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
 FOUR_BIT = ("int4", "nf4", "mxfp4")  # decoded from their own fields (``four_bit``)
+QUANTIZED_HOT = -2  # ``resident`` of an expert whose blob is in ``dev`` (not a slot, not the host pool)
 BLOCK = 8192  # elements one program of the kernel decodes
 TILE_R, TILE_C = 4, 1024  # rows and codes of a row one program of the 4-bit kernel decodes (experiments/results/direct4_rate.json)
 MAX_BLOCKS = 65535  # programs per pick: the kernel's second grid dimension, as CUDA bounds it
@@ -140,27 +146,30 @@ def kernel_available() -> bool:
 
 
 def fetch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
-          ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...], usage: torch.Tensor | None = None) -> torch.Tensor:
+          ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...], usage: torch.Tensor | None = None,
+          dev: torch.Tensor | None = None) -> torch.Tensor:
     """See the module docstring. ``src``: uint8 ``[bytes]``; ``starts``: int64 ``[E]``; ``resident``:
     int32 ``[E]`` (-1: not resident); ``picks``: int64 ``[m]``; ``dst``: int32 ``[m]``; ``ids``:
-    int64 ``[m]``, written. Runs the kernel when the slabs are on CUDA, else the reference."""
+    int64 ``[m]``, written; ``dev``: the second source (negative starts). Runs the kernel when the
+    slabs are on CUDA, else the reference."""
     if not tensors:
         raise ValueError("direct fetch: an expert of no tensors")
     if tensors[0].out.device.type == "cuda" and kernel_available():
         first, *rest = _groups(tensors)
-        _kernel(first).launch(src, starts, resident, picks, dst, ids, counts, first, usage)
+        dev = src if dev is None else dev
+        _kernel(first).launch(src, dev, starts, resident, picks, dst, ids, counts, first, usage)
         if rest:  # the other groups decode the same picks: the non-resident ones, into dst
             m = picks.numel()
             planned = torch.where(resident[picks] >= 0, -1, dst[:m].to(picks.device, torch.int32, non_blocking=True))  # [m]
             for g in rest:
-                _kernel(g).launch_planned(src, starts, picks, planned, g)
+                _kernel(g).launch_planned(src, dev, starts, picks, planned, g)
         return ids
-    return fetch_reference(src, starts, resident, picks, dst, ids, counts, tensors, usage)
+    return fetch_reference(src, starts, resident, picks, dst, ids, counts, tensors, usage, dev)
 
 
 def fetch_reference(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
                     ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...],
-                    usage: torch.Tensor | None = None) -> torch.Tensor:
+                    usage: torch.Tensor | None = None, dev: torch.Tensor | None = None) -> torch.Tensor:
     """``fetch`` with torch operations, one pick at a time (brings the picks to the host)."""
     res, st, slots_out = resident.tolist(), starts.tolist(), []
     hits = 0
@@ -173,7 +182,7 @@ def fetch_reference(src: torch.Tensor, starts: torch.Tensor, resident: torch.Ten
             continue
         slot = int(dst[j])
         slots_out.append(slot)
-        _decode_into(src, st[e], slot, tensors)
+        _decode_into(src, dev, st[e], slot, tensors)
     ids.copy_(torch.tensor(slots_out, dtype=ids.dtype))
     counts += torch.tensor([hits, len(slots_out) - hits], dtype=counts.dtype, device=counts.device)
     return ids
@@ -213,9 +222,10 @@ class SlotCache:
 def plan(cache: SlotCache, row: int, resident: torch.Tensor, picks: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
          usage: torch.Tensor | None = None) -> None:
     """See the module docstring: ``ids[j]`` receives pick ``j``'s slot, ``cache.dst[j]`` the slot
-    it decodes into (-1: it reads a resident or cached slot); ``counts`` (int64 ``[3]``) grows by
-    the resident, the decoded and the cached picks. ``resident``: int32 ``[E]`` of row ``row``
-    (-1: not resident); ``picks``: int64 ``[m]``, at most as many as the cache's slots."""
+    it decodes into (-1: it reads a resident or cached slot); ``counts`` (int64 ``[3]``, or ``[4]``) grows by
+    the resident, the decoded and the cached picks (and, with 4, the decoded ones whose
+    ``resident`` is ``QUANTIZED_HOT``: read from ``dev``). ``resident``: int32 ``[E]`` of row
+    ``row`` (-1: not resident); ``picks``: int64 ``[m]``, at most as many as the cache's slots."""
     m, r = picks.numel(), cache.slots.numel()
     if m > r:
         raise ValueError(f"direct plan: {m} picks, more than the cache's {r} slots")
@@ -244,7 +254,7 @@ def plan_reference(cache: SlotCache, row: int, resident: torch.Tensor, picks: to
     owner, stamp, slots = cache.owner.tolist(), cache.stamp.tolist(), cache.slots.tolist()
     now = int(cache.clock[0])
     res = resident.tolist()
-    out_ids, out_dst, used, n = [], [-1] * len(slots), set(), [0, 0, 0]
+    out_ids, out_dst, used, n = [], [-1] * len(slots), set(), [0, 0, 0, 0]
     for j, e in enumerate(picks.tolist()):
         cell = row * cache.width + e
         if usage is not None:
@@ -261,6 +271,7 @@ def plan_reference(cache: SlotCache, row: int, resident: torch.Tensor, picks: to
                 owner[i] = cell
                 out_dst[j] = slots[i]
                 n[1] += 1
+                n[3] += res[e] == QUANTIZED_HOT
             stamp[i] = now
             used.add(i)
             out_ids.append(slots[i])
@@ -271,23 +282,24 @@ def plan_reference(cache: SlotCache, row: int, resident: torch.Tensor, picks: to
     cache.clock.fill_(now)
     cache.dst.copy_(torch.tensor(out_dst, dtype=torch.int32, device=dev))
     ids.copy_(torch.tensor(out_ids, dtype=ids.dtype))
-    counts += torch.tensor(n, dtype=counts.dtype, device=counts.device)
+    counts += torch.tensor(n[: counts.numel()], dtype=counts.dtype, device=counts.device)
 
 
 def fetch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
-                  tensors: tuple[DirectTensor, ...]) -> None:
-    """Decode pick ``j``'s expert (``starts[picks[j]]`` in ``src``) into slot ``dst[j]`` of every
-    output slab, for each ``j`` with ``dst[j] >= 0`` (``dst`` as ``plan`` leaves it)."""
+                  tensors: tuple[DirectTensor, ...], dev: torch.Tensor | None = None) -> None:
+    """Decode pick ``j``'s expert (``starts[picks[j]]`` in ``src``, or in ``dev`` where negative)
+    into slot ``dst[j]`` of every output slab, for each ``j`` with ``dst[j] >= 0`` (``dst`` as
+    ``plan`` leaves it)."""
     if not tensors:
         raise ValueError("direct fetch: an expert of no tensors")
     if tensors[0].out.device.type == "cuda" and kernel_available():
         for g in _groups(tensors):
-            _kernel(g).launch_planned(src, starts, picks, dst, g)
+            _kernel(g).launch_planned(src, src if dev is None else dev, starts, picks, dst, g)
         return
     st = starts.tolist()
     for e, slot in zip(picks.tolist(), dst[: picks.numel()].tolist()):
         if slot >= 0:
-            _decode_into(src, st[e], slot, tensors)
+            _decode_into(src, dev, st[e], slot, tensors)
 
 
 def _kernel(tensors):
@@ -301,8 +313,11 @@ def _kernel(tensors):
     return direct_kernel
 
 
-def _decode_into(src: torch.Tensor, start: int, slot: int, tensors: tuple[DirectTensor, ...]) -> None:
-    """The reference's decode of the expert at byte ``start`` of ``src`` into ``slot`` of every slab."""
+def _decode_into(src: torch.Tensor, dev: torch.Tensor | None, start: int, slot: int, tensors: tuple[DirectTensor, ...]) -> None:
+    """The reference's decode of the expert at byte ``start`` of ``src`` (negative: ``-1 - start``
+    of ``dev``) into ``slot`` of every slab."""
+    if start < 0:
+        src, start = dev, -1 - start
     from . import get_scheme
     from .core import QuantizedTensor
 
@@ -326,9 +341,9 @@ def _decode_into(src: torch.Tensor, start: int, slot: int, tensors: tuple[Direct
 
 def fetch_cached(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, cache: SlotCache,
                  row: int, ids: torch.Tensor, counts: torch.Tensor, tensors: tuple[DirectTensor, ...],
-                 usage: torch.Tensor | None = None) -> torch.Tensor:
+                 usage: torch.Tensor | None = None, dev: torch.Tensor | None = None) -> torch.Tensor:
     """``plan`` then ``fetch_planned``: every pick's slot in ``ids``, each miss decoded into a
     cache slot that keeps it for later calls. Two launches on CUDA, no host sync."""
     plan(cache, row, resident, picks, ids, counts, usage)
-    fetch_planned(src, starts, picks, cache.dst, tensors)
+    fetch_planned(src, starts, picks, cache.dst, tensors, dev)
     return ids

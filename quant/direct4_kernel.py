@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .direct import MAX_BLOCKS, TILE_C, TILE_R
-from .direct_kernel import launch_key, pick, plan_of
+from .direct_kernel import base_of, launch_key, pick, plan_of
 from .launch import triton_relauncher
 
 WARPS = 4
@@ -67,7 +67,7 @@ def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
 
 
 @triton.jit
-def _fetch4(src, starts, resident, picks, dst, ids, counts, usage, tables,
+def _fetch4(src, dev, starts, resident, picks, dst, ids, counts, usage, tables,
             out0, k0, s0, z0, x0, n0, R0, C0, G0, tc0, nt0,
             out1, k1, s1, z1, x1, n1, R1, C1, G1, tc1, nt1,
             out2, k2, s2, z2, x2, n2, R2, C2, G2, tc2,
@@ -77,7 +77,7 @@ def _fetch4(src, starts, resident, picks, dst, ids, counts, usage, tables,
     b = tl.program_id(1)
     e, slot, go = pick(j, b, picks, resident, dst, ids, counts, usage, USAGE, PLANNED)
     if go:
-        base = src + tl.load(starts + e)
+        base = base_of(src, dev, starts, e)
         if b < nt0:
             _tile(base, k0, s0, z0, x0, tables, out0 + slot * n0, b, R0, C0, G0, tc0, KIND, TRANS, TR, TC)
         elif b < nt0 + nt1:
@@ -131,14 +131,14 @@ class _Plan:
         self.relaunch["planned"] = triton_relauncher(_fetch4, dict(kw, USAGE=False, PLANNED=True))
 
 
-def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
+def launch(src: torch.Tensor, dev: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
            ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
     plan = plan_of(tensors, _Plan)
-    dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage, plan.tables)
+    dynamic = (src, dev, starts, resident, picks, dst, ids, counts, counts if usage is None else usage, plan.tables)
     plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))
 
 
-def launch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
+def launch_planned(src: torch.Tensor, dev: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
     plan = plan_of(tensors, _Plan)
-    dynamic = (src, starts, dst, picks, dst, starts, starts, starts, plan.tables)
+    dynamic = (src, dev, starts, dst, picks, dst, starts, starts, starts, plan.tables)
     plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))

@@ -59,7 +59,15 @@ def pick(j, b, picks, resident, dst, ids, counts, usage, USAGE: tl.constexpr, PL
 
 
 @triton.jit
-def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
+def base_of(src, dev, starts, e):
+    """Where expert ``e``'s blob starts: ``src`` plus its start, or, for a negative start, ``dev``
+    plus ``-1 - start`` (``quant.direct``'s two sources)."""
+    st = tl.load(starts + e)
+    return tl.where(st >= 0, src + st, dev + (-1 - st))
+
+
+@triton.jit
+def _fetch(src, dev, starts, resident, picks, dst, ids, counts, usage,
            out0, d0, s0, n0, c0, nb0,
            out1, d1, s1, n1, c1, nb1,
            out2, d2, s2, n2, c2,
@@ -68,7 +76,7 @@ def _fetch(src, starts, resident, picks, dst, ids, counts, usage,
     b = tl.program_id(1)
     e, slot, go = pick(j, b, picks, resident, dst, ids, counts, usage, USAGE, PLANNED)
     if go:
-        base = src + tl.load(starts + e)
+        base = base_of(src, dev, starts, e)
         if b < nb0:
             _block(base, d0, s0, out0 + slot * n0, b, n0, c0, QUANT, COLS, BLOCK)
         elif b < nb0 + nb1:
@@ -116,23 +124,23 @@ def launch_key(tensors) -> tuple:
     return tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors)
 
 
-def launch(src: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
+def launch(src: torch.Tensor, dev: torch.Tensor, starts: torch.Tensor, resident: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor,
            ids: torch.Tensor, counts: torch.Tensor, tensors, usage: torch.Tensor | None) -> None:
     plan = plan_of(tensors)
-    dynamic = (src, starts, resident, picks, dst, ids, counts, counts if usage is None else usage)
+    dynamic = (src, dev, starts, resident, picks, dst, ids, counts, counts if usage is None else usage)
     plan.relaunch[usage is not None]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))
 
 
-def launch_planned(src: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
+def launch_planned(src: torch.Tensor, dev: torch.Tensor, starts: torch.Tensor, picks: torch.Tensor, dst: torch.Tensor, tensors) -> None:
     plan = plan_of(tensors)
     # the unused resident, ids, counts and usage get tensors of their dtypes
-    dynamic = (src, starts, dst, picks, dst, starts, starts, starts)
+    dynamic = (src, dev, starts, dst, picks, dst, starts, starts, starts)
     plan.relaunch["planned"]((picks.numel(), plan.blocks), (*dynamic, *plan.fixed), launch_key(dynamic))
 
 
 @triton.jit(do_not_specialize=["m", "row", "rows", "width"])
 def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts, usage, row, rows, width,
-                R: tl.constexpr, RP: tl.constexpr, USAGE: tl.constexpr):
+                R: tl.constexpr, RP: tl.constexpr, USAGE: tl.constexpr, DEV: tl.constexpr):
     """One program: the picks in order, the cache's lanes as a vector (``quant.direct.plan``).
 
     Every global read happens before the loop (the picks, their resident slots, the cache) and
@@ -154,6 +162,7 @@ def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts
     start = now
     resident_n = now * 0
     cached_n = now * 0
+    dev_n = now * 0  # misses decoded from the second source (``resident`` -2), counted with DEV
     row64 = row.to(tl.int64)
     for j in range(0, m):
         this = lane == j
@@ -182,6 +191,7 @@ def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts
         dst_v = tl.where(this, tl.where(miss, slot, -1), dst_v)
         resident_n += hot.to(tl.int64)
         cached_n += (found & cold).to(tl.int64)
+        dev_n += (miss & (h == -2)).to(tl.int64)
     tl.store(ids + lane, ids_v, mask=given)
     tl.store(dst + lane, dst_v.to(tl.int32), mask=given)
     if USAGE:
@@ -192,18 +202,20 @@ def _plan_picks(picks, m, resident, slots, owner, stamp, clock, ids, dst, counts
     tl.atomic_add(counts, resident_n)
     tl.atomic_add(counts + 1, m - resident_n - cached_n)
     tl.atomic_add(counts + 2, cached_n)
+    if DEV:
+        tl.atomic_add(counts + 3, dev_n)
 
 
-_planners: dict[tuple[int, bool], object] = {}  # (cache lanes, counting usage) -> relauncher
+_planners: dict[tuple[int, bool, bool], object] = {}  # (cache lanes, counting usage, counting dev decodes) -> relauncher
 
 
 def launch_plan(cache, row: int, resident: torch.Tensor, picks: torch.Tensor, ids: torch.Tensor, counts: torch.Tensor,
                 usage: torch.Tensor | None) -> None:
-    r = cache.slots.numel()
-    key = (r, usage is not None)
+    r, dev = cache.slots.numel(), counts.numel() >= 4
+    key = (r, usage is not None, dev)
     run = _planners.get(key)
     if run is None:
-        run = _planners[key] = triton_relauncher(_plan_picks, dict(R=r, RP=max(2, triton.next_power_of_2(r)), USAGE=usage is not None,
+        run = _planners[key] = triton_relauncher(_plan_picks, dict(R=r, RP=max(2, triton.next_power_of_2(r)), USAGE=usage is not None, DEV=dev,
                                                                    num_warps=1))
     tensors = (picks, resident, cache.slots, cache.owner, cache.stamp, cache.clock, ids, cache.dst, counts,
                counts if usage is None else usage)

@@ -120,3 +120,30 @@ def test_four_bit_tensors_name_their_storage():
     assert [(t.rows, t.cols_n, t.group, t.transposed) for t in tensors] == [(2 * I, H, 64, False), (H, I, 64, False)]
     _, _, _, _, tensors = _experts("mxfp4", True, 2, torch.device("cpu"))
     assert [(t.rows, t.cols_n, t.group, t.transposed) for t in tensors if t.kind] == [(2 * I, H, 32, True), (H, I, 32, True)]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("precision,transposed", [("int4", True), ("nf4", False), ("int8", False)])
+def test_two_sources_decode_each_expert_from_its_own(precision, transposed, device):
+    """Experts 0-2 in a second buffer (the GPU's blob pool: negative starts, ``resident`` -2),
+    3-5 in the first: each miss decodes from its own source, and ``plan`` counts the second
+    source's decodes apart (``counts[3]``); on CUDA the kernels agree with the reference."""
+    from tiers.quant.direct import QUANTIZED_HOT
+
+    device = torch.device(device)
+    blob, blobs, buf, slabs, tensors = _experts(precision, transposed, 6, device)
+    half = 3 * blob.stride
+    dev, src = buf[:half].clone(), torch.cat([torch.zeros(half, dtype=torch.uint8), buf[half:]])  # src holds nothing of 0-2
+    if device.type == "cuda":
+        dev, src = dev.to(device), src.pin_memory()
+    starts = torch.tensor([-1 - e * blob.stride if e < 3 else e * blob.stride for e in range(6)], device=device)
+    resident = torch.tensor([QUANTIZED_HOT, QUANTIZED_HOT, 0, -1, -1, -1], dtype=torch.int32, device=device)  # 2: a hot slot
+    cache = SlotCache.new([6, 7, 8, 9], rows=1, width=6, device=device)
+    ids, counts = torch.empty(4, dtype=torch.int64, device=device), torch.zeros(4, dtype=torch.int64, device=device)
+    fetch_cached(src, starts, resident, torch.tensor([0, 4, 2, 1], device=device), cache, 0, ids, counts, tensors, dev=dev)
+    assert counts.tolist() == [1, 3, 0, 2], "resident, decoded, cached, decoded from the second source"
+    for e, slot in zip([0, 4, 1], [ids[0].item(), ids[1].item(), ids[3].item()]):
+        want = {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in blob.shapes}
+        blob.dequantize_into(blobs[e], want)
+        for name, slab in slabs.items():
+            assert torch.equal(slab[slot].cpu(), want[name]), f"expert {e} {name}"

@@ -92,3 +92,26 @@ def test_the_rebalancer_with_quantized_hot_experts_is_refused(packed):
     cfg["tiers"]["rebalance"] = {"every_tokens": 8}
     with pytest.raises(ValueError, match=r"tiers\.rebalance\.every_tokens: .* tiers\.gpu\.precision 'int4'"):
         tiers.load(packed, cfg, progress=False)
+
+
+def test_direct_decode_reads_them_from_the_blob_pool(packed):
+    """Decode with direct decode (forced on the CPU, the torch reference standing in for the
+    kernel): the same logits as the host-routed path, its layers run direct, and with every
+    expert quantized hot nothing moves between tiers."""
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    every = {"tiers": {"gpu": {"fraction": 1.0, "precision": "int4", "staging_slots": 8}, "cpu": {"precision": "int4"},
+                       "nvme": {"precision": "int4"}}}
+    out = {}
+    for name, cfg in (("mixed", _cfg("int4", 1_000_000)), ("every", every)):
+        for direct_on in (False, True):
+            model = tiers.load(packed, cfg, progress=False)
+            mgr = manager_of(model)
+            mgr.batched_decode = True
+            mgr.staging.direct_reads = mgr.direct.enabled = direct_on
+            out[name, direct_on] = model.generate(ids, **kw), tiers.stats(model)
+            assert mgr.direct.agrees()
+        (a, _), (b, s) = out[name, False], out[name, True]
+        assert torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), name
+        assert s.direct["decode_calls"] > 0, name
+    assert out["every", True][1].bytes_moved == {"cpu": 0, "nvme": 0} and out["every", True][1].misses["gpu"] == 0

@@ -12,8 +12,11 @@ reserved slot still holds, or a decode from host memory over PCIe into the slot 
 layer comes back last) and writes every pick's slot id, which transformers' batched_mm decode
 forward uses as its expert ids. Nothing syncs, so a decode step can replay as one CUDA graph.
 
-A layer qualifies when every expert is hot or warm (the GPU cannot read a file) in a precision
-``quant.direct`` decodes. Where the host-routed path would copy a pool's experts with the copy
+A layer qualifies when every expert is hot, warm, or quantized hot (the GPU cannot read a file),
+in a precision ``quant.direct`` decodes: the warm ones' and the quantized hot ones' must be one,
+the one its ``DirectExpert`` decodes. A quantized hot expert is decoded from the GPU's blob pool
+(``quant.direct``'s second source: ``resident`` -2 and a negative start), which moves no bytes
+between tiers and counts as a GPU hit. Where the host-routed path would copy a pool's experts with the copy
 engine (above ``STACK_BYTES``), a stage runs direct only while the pool's last decode stage
 missed fewer than ``MISS_BYTES`` per layer call: read by the SMs, Mixtral-8x7B's 168 MiB experts
 cost more device time than copied (6-12% slower per token in arms missing 1.2-1.7 experts per
@@ -46,9 +49,9 @@ class _Layer:
     resident: torch.Tensor  # int32 [E]: each hot expert's slot, -1 for the rest
     tensors: direct.DirectExpert
     pool: SlotPool
-    counts: torch.Tensor  # int64 [3]: the pool's resident, decoded and cached picks (shared by its layers)
+    counts: torch.Tensor  # int64 [4]: the pool's resident, decoded, cached and quantized hot decoded picks (shared by its layers)
     usage: torch.Tensor | None  # int64 [E]: picks per expert, for the rebalancer (None without one)
-    step_counts: torch.Tensor  # int64 [3]: the same, for calls inside a step graph (whose reads are not timed)
+    step_counts: torch.Tensor  # int64 [4]: the same, for calls inside a step graph (whose reads are not timed)
 
 
 @dataclass
@@ -72,7 +75,7 @@ class DirectPath:
         self._copied: Any | None = None  # the last upload's event
         self.reserved: dict[int, _Reserved] = {}  # pool -> its reserved slots, while a decode stage runs
         self._caches: dict[tuple[int, tuple[int, ...]], direct.SlotCache] = {}  # kept across stages: the graphs keep them
-        self._counts: dict[int, torch.Tensor] = {}  # pool -> int64 [6]: resident, decoded, cached picks; the same inside step graphs
+        self._counts: dict[int, torch.Tensor] = {}  # pool -> int64 [8]: resident, decoded, cached, quantized hot decoded picks; the same inside step graphs
         self._miss_bytes: dict[int, int] = {}  # pool -> transfer-form bytes a decoded pick reads
         grid = mgr.table.grid
         self.usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=mgr.device) if mgr.rebalancer else None
@@ -89,7 +92,14 @@ class DirectPath:
         mgr, t = self.mgr, self.mgr.table
         out, built, changed = {}, self.layers or {}, False
         for layer, entry in mgr.manifest.layers.items():
-            blob = entry.blobs.get(mgr.staging.cpu_precision)
+            row, n = t.grid.row[layer], entry.layout.num_experts
+            first = row * t.grid.width
+            pooled = t.pool_offset[first:first + n] >= 0
+            warm = t.warm_mask[first:first + n]
+            precision = mgr.staging.gpu_precision if pooled.any() else mgr.staging.cpu_precision
+            if warm.any() and pooled.any() and mgr.staging.cpu_precision != precision:
+                continue  # two encodings in one layer: host-routed
+            blob = entry.blobs.get(precision)
             pool = mgr.pool_of[layer]
             if mgr.resident.qualifies(layer) or blob is None or mgr.staging.direct_tensors(pool, blob) is None:
                 continue
@@ -97,9 +107,7 @@ class DirectPath:
             if layer in built and self._built_at[layer] == version:
                 out[layer] = built[layer]
                 continue
-            row, n = t.grid.row[layer], entry.layout.num_experts
-            first = row * t.grid.width
-            if not (t.hot_mask[first:first + n] | t.warm_mask[first:first + n]).all():
+            if not (t.hot_mask[first:first + n] | warm | pooled).all():
                 continue
             self._built_at[layer] = version
             changed = True
@@ -109,11 +117,11 @@ class DirectPath:
             if self._starts is None:
                 self._starts = torch.zeros((len(t.grid.layers), t.grid.width), dtype=torch.int64, device=mgr.device)
                 self._resident = torch.full((len(t.grid.layers), t.grid.width), -1, dtype=torch.int32, device=mgr.device)
-            counts = self._counts.setdefault(pool.index, torch.zeros(6, dtype=torch.int64, device=mgr.device))
+            counts = self._counts.setdefault(pool.index, torch.zeros(8, dtype=torch.int64, device=mgr.device))
             self._miss_bytes[pool.index] = blob.nbytes
             usage = None if self.usage is None else self.usage[row, :n]
             out[layer] = _Layer(self._starts[row, :n], self._resident[row, :n], mgr.staging.direct_tensors(pool, blob), pool,
-                                counts[:3], usage, counts[3:])
+                                counts[:4], usage, counts[4:])
         if changed:
             self._upload()
         self.version = t.homes_version
@@ -129,8 +137,7 @@ class DirectPath:
         elif self._copied is not None:
             self._copied.synchronize()  # the last upload has read the pinned copies
         starts, resident = self._host
-        starts.numpy()[:] = np.where(t.hot_mask, 0, t.host_offset)
-        resident.numpy()[:] = t.hot_slot
+        starts.numpy()[:], resident.numpy()[:] = _tables(t)
         self._starts.view(-1).copy_(starts, non_blocking=True)
         self._resident.view(-1).copy_(resident, non_blocking=True)
         self._copied = mgr.streams.event()
@@ -159,8 +166,8 @@ class DirectPath:
                 return False
         if self._starts is None:
             return True
-        starts = np.where(t.hot_mask, 0, t.host_offset)
-        return bool((self._starts.view(-1).cpu().numpy() == starts).all() and (self._resident.view(-1).cpu().numpy() == t.hot_slot).all())
+        starts, resident = _tables(t)
+        return bool((self._starts.view(-1).cpu().numpy() == starts).all() and (self._resident.view(-1).cpu().numpy() == resident).all())
 
     # -- the decode stage --------------------------------------------------------------------------
     def begin_stage(self) -> None:
@@ -200,7 +207,7 @@ class DirectPath:
             self._release(pool)
         if self._stage_start:
             pools = list(self._stage_start)
-            decoded = torch.stack([(self._counts[p] - self._stage_start[p][1])[1::3].sum() for p in pools]).tolist()
+            decoded = torch.stack([(self._counts[p] - self._stage_start[p][1]).view(2, 4)[:, 1].sum() for p in pools]).tolist()
             for p, n in zip(pools, decoded):
                 staged = self.mgr.staging.staged_bytes[p] - self._stage_start[p][0]
                 calls = self._stage_calls.get(p, 0)
@@ -294,13 +301,15 @@ class DirectPath:
         mgr = self.mgr
         cache, row = self.reserved[d.pool.index].cache, mgr.table.grid.row[layer]
         src, starts, resident, usage, tensors = mgr.host.slab, d.starts, d.resident, d.usage, d.tensors
+        dev = mgr.gpu_pool.slab if mgr.gpu_pool is not None else src
 
         def step(picks: torch.Tensor) -> torch.Tensor:  # reads and writes only ``bound`` besides its input
             ids = torch.empty(picks.shape, dtype=torch.int64, device=picks.device)
-            direct.fetch_cached(src, starts, resident, picks, cache, row, ids, counts, tensors, usage)
+            direct.fetch_cached(src, starts, resident, picks, cache, row, ids, counts, tensors, usage, dev)
             return ids
 
-        bound = (src, starts, resident, cache.slots, cache.owner, cache.stamp, cache.clock, cache.dst, counts, usage, *(t.out for t in tensors))
+        bound = (src, dev, starts, resident, cache.slots, cache.owner, cache.stamp, cache.clock, cache.dst, counts, usage,
+                 *(t.out for t in tensors))
         ids = mgr.decode_graphs.run(("fetch", layer), bound, step, (top_k_index.reshape(-1),), fresh=False)
         return ids.view(top_k_index.shape)
 
@@ -319,9 +328,10 @@ class DirectPath:
         direct calls since the last reset (syncs)."""
         hits = misses = moved = untimed = 0
         for p, counts in self._counts.items():
-            h, m, c, sh, sm, sc = counts.tolist()
+            h, m, c, q, sh, sm, sc, sq = counts.tolist()  # q: decodes of quantized hot experts, from the GPU
             per = self._miss_bytes[p]
-            hits, misses, moved, untimed = hits + h + c + sh + sc, misses + m + sm, moved + (m + sm) * per, untimed + sm * per
+            m, sm = m - q, sm - sq
+            hits, misses, moved, untimed = hits + h + c + q + sh + sc + sq, misses + m + sm, moved + (m + sm) * per, untimed + sm * per
         return hits, misses, moved, untimed
 
     def reset(self) -> None:
@@ -330,3 +340,12 @@ class DirectPath:
         for p, (staged, counts) in list(self._stage_start.items()):  # a stage running: its start moves with the counters
             if counts is not None:
                 counts.zero_()
+
+
+def _tables(t: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The device tables' contents over the grid: each expert's start (0 for a hot one, its host
+    place for a warm one, ``-1 - place`` in the GPU's blob pool for a quantized hot one) and its
+    ``resident`` entry (its hot slot, ``quant.direct.QUANTIZED_HOT`` for a quantized hot one, else -1)."""
+    pooled = t.pool_offset >= 0
+    starts = np.where(t.hot_mask, 0, np.where(pooled, -1 - t.pool_offset, t.host_offset))
+    return starts, np.where(pooled, direct.QUANTIZED_HOT, t.hot_slot)

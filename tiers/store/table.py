@@ -126,6 +126,7 @@ class Table:
         self.warm_mask = np.zeros(self.grid.size, dtype=bool)
         self.hot_slot = np.full(self.grid.size, -1, dtype=np.int64)
         self.host_offset = np.full(self.grid.size, -1, dtype=np.int64)
+        self.pool_offset = np.full(self.grid.size, -1, dtype=np.int64)  # each quantized hot expert's place in the GPU's blob pool
         for k, r in self._experts.items():
             self._cells(k, r)
 
@@ -203,6 +204,7 @@ class Table:
         self.hot_mask[i], self.warm_mask[i] = r.hot, r.home is Home.CPU
         self.hot_slot[i] = r.slot if r.hot else -1
         self.host_offset[i] = r.host_offset if r.home is Home.CPU else -1
+        self.pool_offset[i] = r.host_offset if r.home is Home.GPU and r.host_offset is not None else -1
 
     def warm(self, key: ExpertKey, offset: int) -> None:
         """An nvme expert's blob landed in the host pool at ``offset``: it is served from there."""
@@ -432,6 +434,7 @@ class Table:
             i = self.grid.index(key)
             assert self.hot_mask[i] == r.hot and self.warm_mask[i] == (r.home is Home.CPU), f"{key}: masks disagree"
             assert self.hot_slot[i] == (r.slot if r.hot else -1) and self.host_offset[i] == (r.host_offset if r.home is Home.CPU else -1)
+            assert self.pool_offset[i] == (r.host_offset if r.home is Home.GPU and r.host_offset is not None else -1)
         for pi, p in enumerate(self._pools):
             assert all(p.reserved[s] == by for by, slots in p.by.items() for s in slots), f"pool {pi}: reservation index disagrees"
             for s, key in enumerate(p.occupant):
