@@ -62,11 +62,13 @@ def routed(model, name: str, skew: dict, tokens: int):
 
 def tiers_config(name: str, args, expert_bytes: int, packed: Path, top_k: int) -> dict:
     """The ``tiers`` config Tiers arm ``name`` loads with, from the run's flags: its GPU fraction and
-    precision, every other expert warm in pinned RAM."""
-    frac, precision = int(name.split("_")[1].split("@")[0]) / 100, name.split("_")[2].split("@")[0]
+    precision, every other expert warm in pinned RAM. ``tiers_<gpu%>_<precision>_hot``: the hot
+    experts too stay in that precision (``tiers.gpu.precision``), bf16 otherwise."""
+    parts = name.split("@")[0].split("_")
+    frac, precision = int(parts[1]) / 100, parts[2]
     # the rest of the experts all warm in pinned RAM: a cpu budget that holds every expert
     slots = args.staging_slots if args.staging_slots == "auto" else int(args.staging_slots)
-    gpu = {"fraction": frac, "staging_slots": slots}
+    gpu = {"fraction": frac, "staging_slots": slots} | ({"precision": precision} if parts[3:] == ["hot"] else {})
     if frac == 0:  # no hot experts: just the staging slots and their transit buffers, as the lazy and accelerate arms hold
         n = 2 * top_k if slots == "auto" else slots  # the fewest auto asks for (it takes more for a streamed part's bytes, or experts too large to stack)
         gpu = staging_only_gpu(read_manifest(packed), precision, n)

@@ -561,3 +561,17 @@ def test_the_staging_only_arm_holds_no_hot_expert_at_mixtral_shapes(packed_facto
     p = plan_placement(cfg, manifest)
     assert p.hot == () and [(g.staging, g.transit_rows) for g in p.groups] == [(4, 2 if precision == "int8" else 4)]
     assert p.gpu_bytes == gpu["budget"]
+
+
+def test_a_hot_arm_keeps_its_hot_experts_in_its_precision(tmp_path):
+    """``tiers_30_int4_hot``: the gpu tier in int4 too (quantized hot experts); ``tiers_30_int4``
+    keeps bf16 hot experts; both warm in int4, with a cpu budget of every expert's bytes."""
+    from tiers.tools.bench_arms import arm_precisions, tiers_config
+
+    args = argparse.Namespace(staging_slots="auto", graphs="on", rebalance_every=8)
+    hot = tiers_config("tiers_30_int4_hot", args, 1 << 20, tmp_path, 8)["tiers"]
+    plain = tiers_config("tiers_30_int4", args, 1 << 20, tmp_path, 8)["tiers"]
+    assert hot["gpu"]["precision"] == "int4" and "precision" not in plain["gpu"]
+    assert hot["gpu"]["fraction"] == plain["gpu"]["fraction"] == 0.3
+    assert hot["cpu"] == plain["cpu"] == {"budget": 1 << 20, "precision": "int4"}
+    assert arm_precisions(["tiers_30_int4_hot", "all_gpu"]) == ["bf16", "int8", "int4"]
