@@ -131,12 +131,12 @@ class Nf4:
         lead = out.shape[: d["codes"].dim() - 1]  # experts stacked ahead of each field's one dimension
         numel = math.prod(out.shape[len(lead):])
         if out.device.type == "cuda" and not lead and out.is_contiguous():
-            return _bnb_dequantize(d, out, numel)
+            return _bnb_dequantize(d, out)
         out.copy_(decode(d, numel).view(out.shape))
         return out
 
 
-def _bnb_dequantize(d: dict[str, torch.Tensor], out: torch.Tensor, numel: int) -> torch.Tensor:
+def _bnb_dequantize(d: dict[str, torch.Tensor], out: torch.Tensor) -> torch.Tensor:
     """bitsandbytes' CUDA dequantization of one tensor's fields into ``out``."""
     F = _functional()
     nf4, dynamic = tables(out.device)
