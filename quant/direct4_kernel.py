@@ -30,35 +30,27 @@ KINDS = {"int4": 0, "nf4": 1, "mxfp4": 2}
 
 @triton.jit
 def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
-          KIND: tl.constexpr, TRANS: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr):
+          KIND: tl.constexpr, TRANS: tl.constexpr, TR: tl.constexpr, TC: tl.constexpr, GQ: tl.constexpr):
     tr = t // tiles_c
     tc = t % tiles_c
-    r = tr.to(tl.int64) * TR + tl.arange(0, TR)  # [TR]
-    b = tc.to(tl.int64) * (TC // 2) + tl.arange(0, TC // 2)  # [TC/2] bytes of a row
+    r = tr * TR + tl.arange(0, TR)  # [TR]; int32 offsets: a tensor holds under 2**31 codes (``_Plan`` checks)
+    b = tc * (TC // 2) + tl.arange(0, TC // 2)  # [TC/2] bytes of a row
     half = C // 2
     byte = tl.load((src + codes) + r[:, None] * half + b[None, :], mask=(r[:, None] < R) & (b[None, :] < half), other=0)
     if KIND == NF4:  # bitsandbytes: the first element in the high nibble
         q = tl.reshape(tl.join(byte >> 4, byte & 15), (TR, TC))
     else:
         q = tl.reshape(tl.join(byte & 15, byte >> 4), (TR, TC))
-    c = tc.to(tl.int64) * TC + tl.arange(0, TC)  # [TC]
+    c = tc * TC + tl.arange(0, TC)  # [TC]
     m = (r[:, None] < R) & (c[None, :] < C)
-    g = (r[:, None] * C + c[None, :]) // G  # [TR, TC]
-    if KIND == INT4:
-        s = tl.load((src + scale).to(tl.pointer_type(tl.float16)) + g, mask=m, other=0.0).to(tl.float32)
-        z = tl.load((src + zero) + g, mask=m, other=0).to(tl.float32) / 16.0
-        v = (q.to(tl.float32) - z) * s
-    elif KIND == NF4:
-        qa = tl.load((src + scale) + g, mask=m, other=0).to(tl.int32)
-        a2 = tl.load((src + zero).to(tl.pointer_type(tl.float32)) + g // 256, mask=m, other=0.0)
-        off = tl.load((src + extra).to(tl.pointer_type(tl.float32)))
-        absmax = tl.load(tables + 16 + qa, mask=m, other=0.0) * a2
-        absmax = absmax + off
-        v = tl.load(tables + q.to(tl.int32), mask=m, other=0.0) * absmax
-    else:  # MXFP4: 2 ** (e - 127), built from its bits (e = 0: the subnormal 2**-127)
-        e = tl.load((src + scale) + g, mask=m, other=127).to(tl.int32)
-        bits = tl.where(e == 0, 0x00400000, e << 23)
-        v = tl.load(tables + q.to(tl.int32), mask=m, other=0.0) * bits.to(tl.float32, bitcast=True)
+    if GQ > 0:  # whole groups of GQ codes along a row: a statistic per group, broadcast over its codes
+        NG: tl.constexpr = TC // GQ
+        gc = tc * NG + tl.arange(0, NG)
+        gm = (r[:, None] < R) & (gc[None, :] < C // GQ)
+        v = _values(src, scale, zero, extra, tables, tl.reshape(q, (TR, NG, GQ)), r[:, None] * (C // GQ) + gc[None, :], gm, True, KIND)
+        v = tl.reshape(v, (TR, TC))
+    else:  # element f = r * C + c of the storage is in group f // G
+        v = _values(src, scale, zero, extra, tables, q, (r[:, None] * C + c[None, :]) // G, m, False, KIND)
     v = v.to(tl.bfloat16)
     if TRANS:
         tl.store(out + c[:, None] * R + r[None, :], tl.trans(v), mask=tl.trans(m))
@@ -67,23 +59,52 @@ def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
 
 
 @triton.jit
+def _values(src, scale, zero, extra, tables, q, g, m, SPREAD: tl.constexpr, KIND: tl.constexpr):
+    """fp32 values of codes ``q`` whose groups are ``g`` (``SPREAD``: ``g`` has one statistic
+    per group, ``q`` one more axis, the group's codes)."""
+    if KIND == INT4:
+        s = tl.load((src + scale).to(tl.pointer_type(tl.float16)) + g, mask=m, other=0.0).to(tl.float32)
+        z = tl.load((src + zero) + g, mask=m, other=0).to(tl.float32) / 16.0
+        if SPREAD:
+            s, z = s[:, :, None], z[:, :, None]
+        v = (q.to(tl.float32) - z) * s
+    elif KIND == NF4:
+        qa = tl.load((src + scale) + g, mask=m, other=0).to(tl.int32)
+        a2 = tl.load((src + zero).to(tl.pointer_type(tl.float32)) + g // 256, mask=m, other=0.0)
+        off = tl.load((src + extra).to(tl.pointer_type(tl.float32)))
+        absmax = tl.load(tables + 16 + qa, mask=m, other=0.0) * a2
+        absmax = absmax + off
+        if SPREAD:
+            absmax = absmax[:, :, None]
+        v = tl.load(tables + q.to(tl.int32)) * absmax
+    else:  # MXFP4: 2 ** (e - 127), built from its bits (e = 0: the subnormal 2**-127)
+        e = tl.load((src + scale) + g, mask=m, other=127).to(tl.int32)
+        bits = tl.where(e == 0, 0x00400000, e << 23)
+        p = bits.to(tl.float32, bitcast=True)
+        if SPREAD:
+            p = p[:, :, None]
+        v = tl.load(tables + q.to(tl.int32)) * p
+    return v
+
+
+@triton.jit
 def _fetch4(src, dev, starts, resident, picks, dst, ids, counts, usage, tables,
             out0, k0, s0, z0, x0, n0, R0, C0, G0, tc0, nt0,
             out1, k1, s1, z1, x1, n1, R1, C1, G1, tc1, nt1,
             out2, k2, s2, z2, x2, n2, R2, C2, G2, tc2,
             KIND: tl.constexpr, TRANS: tl.constexpr, USAGE: tl.constexpr, PLANNED: tl.constexpr,
-            TR: tl.constexpr, TC: tl.constexpr):
+            TR: tl.constexpr, TC: tl.constexpr, GQ: tl.constexpr):
     j = tl.program_id(0)
     b = tl.program_id(1)
     e, slot, go = pick(j, b, picks, resident, dst, ids, counts, usage, USAGE, PLANNED)
     if go:
         base = base_of(src, dev, starts, e)
         if b < nt0:
-            _tile(base, k0, s0, z0, x0, tables, out0 + slot * n0, b, R0, C0, G0, tc0, KIND, TRANS, TR, TC)
+            _tile(base, k0, s0, z0, x0, tables, out0 + slot * n0, b, R0, C0, G0, tc0, KIND, TRANS, TR, TC, GQ)
         elif b < nt0 + nt1:
-            _tile(base, k1, s1, z1, x1, tables, out1 + slot * n1, b - nt0, R1, C1, G1, tc1, KIND, TRANS, TR, TC)
+            _tile(base, k1, s1, z1, x1, tables, out1 + slot * n1, b - nt0, R1, C1, G1, tc1, KIND, TRANS, TR, TC, GQ)
         else:
-            _tile(base, k2, s2, z2, x2, tables, out2 + slot * n2, b - nt0 - nt1, R2, C2, G2, tc2, KIND, TRANS, TR, TC)
+            _tile(base, k2, s2, z2, x2, tables, out2 + slot * n2, b - nt0 - nt1, R2, C2, G2, tc2, KIND, TRANS, TR, TC, GQ)
 
 
 _TABLES: dict[torch.device, torch.Tensor] = {}
@@ -107,6 +128,16 @@ def _tables(kind: str, device: torch.device) -> torch.Tensor:
     return got
 
 
+def spread_group(tensors) -> int:
+    """The group size the kernel may take as a constant: one shared by every tensor, a power of
+    two that divides their rows and the tile's codes, so that a tile holds whole groups and reads
+    each group's statistics once; 0 where there is none (each code then finds its own group)."""
+    groups = {t.group for t in tensors}
+    g = groups.pop() if len(groups) == 1 else 0
+    ok = g > 0 and g & (g - 1) == 0 and TILE_C % g == 0 and all(t.cols_n % g == 0 for t in tensors)
+    return g if ok else 0
+
+
 class _Plan:
     """A launch over one expert's 4-bit tensors: the fixed arguments, the tiles per pick, and
     the relaunchers of the kernel's specializations."""
@@ -124,9 +155,12 @@ class _Plan:
             raise ValueError(f"direct fetch: an expert of {self.blocks} tiles, at most {MAX_BLOCKS} fit one launch")
         if len({t.encoding for t in tensors}) != 1:
             raise ValueError("direct fetch: one launch decodes tensors of one encoding")
+        if any(t.rows * t.cols_n >= 2**31 for t in tensors):
+            raise ValueError("direct fetch: a 4-bit tensor of 2**31 codes or more; the kernel's offsets are 32-bit")
         kind, trans = tensors[0].kind, tensors[0].transposed
         self.tables = _tables(kind, tensors[0].out.device)
-        kw = dict(KIND=KINDS[kind], TRANS=trans, TR=TILE_R, TC=TILE_C, num_warps=WARPS, enable_fp_fusion=False)
+        kw = dict(KIND=KINDS[kind], TRANS=trans, TR=TILE_R, TC=TILE_C, GQ=spread_group(tensors), num_warps=WARPS,
+                  enable_fp_fusion=False)
         self.relaunch = {usage: triton_relauncher(_fetch4, dict(kw, USAGE=usage, PLANNED=False)) for usage in (False, True)}
         self.relaunch["planned"] = triton_relauncher(_fetch4, dict(kw, USAGE=False, PLANNED=True))
 

@@ -5,7 +5,9 @@ kernel (``quant.direct4_kernel``) equals the torch reference bit for bit.
 Layouts: Qwen3-like (``gate_up_proj`` [2I, H], ``down_proj`` [H, I], weights stored [out, in])
 and GPT-OSS-like (transposed, with biases: int4 reads ``codes_t``, MXFP4 its blocks, both
 written transposed into the slot). Shapes are chosen so that tiles cover partial rows and
-columns (``quant.direct.TILE_R`` x ``TILE_C``) and int4's groups do not divide a tile.
+columns (``quant.direct.TILE_R`` x ``TILE_C``) and int4's groups do not divide a tile; the
+``GROUPED`` sizes give every tensor groups of 64 (int4 and nf4), so the kernel reads each group's
+statistics once (``quant.direct4_kernel.spread_group``).
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from conftest import devices
 
 SENTINEL = 7.0
 H, I = 160, 96  # int4 groups (64 asked): 40 along H, 48 along I; rows of H codes end in a partial tile
+GROUPED = (320, 192)  # int4 and nf4 groups of 64 along every row, as at Qwen3's and Mixtral's shapes
 
 
-def _layout(experts: int, transposed: bool) -> ExpertLayout:
+def _layout(experts: int, transposed: bool, sizes=(H, I)) -> ExpertLayout:
+    H, I = sizes
     if transposed:
         return ExpertLayout(experts, (ExpertTensor("gate_up_proj", (H, 2 * I)), ExpertTensor("gate_up_proj_bias", (2 * I,)),
                                       ExpertTensor("down_proj", (I, H)), ExpertTensor("down_proj_bias", (H,))),
@@ -41,8 +45,8 @@ def _weight(shape, g: torch.Generator, precision: str) -> torch.Tensor:
     return torch.randn(shape, generator=g).to(torch.bfloat16)
 
 
-def _experts(precision: str, transposed: bool, experts: int, device):
-    layout = _layout(experts, transposed)
+def _experts(precision: str, transposed: bool, experts: int, device, sizes=(H, I)):
+    layout = _layout(experts, transposed, sizes)
     blob = blob_layout(layout, precision)
     g = torch.Generator().manual_seed(3)
     blobs = [blob.encode({t.name: _weight(t.shape, g, precision) for t in layout.tensors})[0] for _ in range(experts)]
@@ -55,10 +59,11 @@ CASES = [("int4", False), ("int4", True), ("nf4", False), ("nf4", True), ("mxfp4
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("sizes", [(H, I), GROUPED])
 @pytest.mark.parametrize("precision,transposed", CASES)
-def test_misses_decode_exactly_as_the_blob(precision, transposed, device):
+def test_misses_decode_exactly_as_the_blob(precision, transposed, sizes, device):
     device = torch.device(device)
-    blob, blobs, buf, slabs, tensors = _experts(precision, transposed, 6, device)
+    blob, blobs, buf, slabs, tensors = _experts(precision, transposed, 6, device, sizes)
     weights = [t for t in tensors if t.kind]
     assert weights and all(t.kind == precision for t in weights)
     assert all(t.transposed == (transposed and precision != "nf4") for t in weights)
@@ -84,8 +89,9 @@ def test_misses_decode_exactly_as_the_blob(precision, transposed, device):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sizes", [(H, I), GROUPED])
 @pytest.mark.parametrize("precision,transposed", CASES)
-def test_kernel_matches_reference_bit_for_bit(precision, transposed):
+def test_kernel_matches_reference_bit_for_bit(precision, transposed, sizes):
     """Many picks, some resident, the kernel against the torch reference (which runs the schemes'
     own torch decoding on the CPU)."""
     from tiers.quant.direct import kernel_available
@@ -97,7 +103,7 @@ def test_kernel_matches_reference_bit_for_bit(precision, transposed):
     picks = torch.randperm(10, generator=g)[:8]
     dst = torch.arange(3, 11, dtype=torch.int32)
     for where in ("cpu", "cuda"):
-        blob, blobs, buf, slabs, tensors = _experts(precision, transposed, 10, torch.device(where))
+        blob, blobs, buf, slabs, tensors = _experts(precision, transposed, 10, torch.device(where), sizes)
         starts = torch.tensor([e * blob.stride for e in range(10)], device=where)
         ids = torch.empty(8, dtype=torch.int64, device=where)
         counts = torch.zeros(2, dtype=torch.int64, device=where)
@@ -120,6 +126,22 @@ def test_four_bit_tensors_name_their_storage():
     assert [(t.rows, t.cols_n, t.group, t.transposed) for t in tensors] == [(2 * I, H, 64, False), (H, I, 64, False)]
     _, _, _, _, tensors = _experts("mxfp4", True, 2, torch.device("cpu"))
     assert [(t.rows, t.cols_n, t.group, t.transposed) for t in tensors if t.kind] == [(2 * I, H, 32, True), (H, I, 32, True)]
+    _, _, _, _, tensors = _experts("int4", False, 2, torch.device("cpu"), GROUPED)
+    assert [t.group for t in tensors] == [64, 64]
+
+
+def test_the_kernel_reads_a_group_once_where_tiles_hold_whole_groups():
+    """Which shapes take the kernel's per-group statistics (``spread_group``): a power-of-two group
+    shared by every tensor that divides every row; the test's odd sizes decode code by code."""
+    pytest.importorskip("triton")
+    from tiers.quant.direct4_kernel import spread_group
+
+    def group(precision, transposed, sizes):
+        return spread_group(_experts(precision, transposed, 1, torch.device("cpu"), sizes)[4].groups[0])
+
+    assert [group("int4", False, GROUPED), group("nf4", False, GROUPED), group("int4", True, GROUPED)] == [64, 64, 64]
+    assert [group("int4", False, (H, I)), group("nf4", False, (H, I))] == [0, 0]  # groups of 40 and 48; nf4 rows of 160
+    assert group("mxfp4", True, (H, I)) == 32
 
 
 @pytest.mark.parametrize("device", devices())
