@@ -34,24 +34,32 @@ def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
     tr = t // tiles_c
     tc = t % tiles_c
     r = tr * TR + tl.arange(0, TR)  # [TR]; int32 offsets: a tensor holds under 2**31 codes (``_Plan`` checks)
+    c = tc * TC + tl.arange(0, TC)  # [TC]
+    m = (r[:, None] < R) & (c[None, :] < C)
+    # the statistics are loaded first, so that their reads from pinned memory overlap the codes'
+    if GQ > 0:  # whole groups of GQ codes along a row: a statistic per group, broadcast over its codes
+        NG: tl.constexpr = TC // GQ
+        gc = tc * NG + tl.arange(0, NG)
+        a, z = _stats(src, scale, zero, extra, tables, r[:, None] * (C // GQ) + gc[None, :], (r[:, None] < R) & (gc[None, :] < C // GQ), KIND)
+        a, z = a[:, :, None], z[:, :, None]
+    else:  # element f = r * C + c of the storage is in group f // G
+        a, z = _stats(src, scale, zero, extra, tables, (r[:, None] * C + c[None, :]) // G, m, KIND)
     b = tc * (TC // 2) + tl.arange(0, TC // 2)  # [TC/2] bytes of a row
     half = C // 2
     byte = tl.load((src + codes) + r[:, None] * half + b[None, :], mask=(r[:, None] < R) & (b[None, :] < half), other=0)
     if KIND == NF4:  # bitsandbytes: the first element in the high nibble
-        q = tl.reshape(tl.join(byte >> 4, byte & 15), (TR, TC))
+        q = tl.join(byte >> 4, byte & 15)
     else:
-        q = tl.reshape(tl.join(byte & 15, byte >> 4), (TR, TC))
-    c = tc * TC + tl.arange(0, TC)  # [TC]
-    m = (r[:, None] < R) & (c[None, :] < C)
-    if GQ > 0:  # whole groups of GQ codes along a row: a statistic per group, broadcast over its codes
-        NG: tl.constexpr = TC // GQ
-        gc = tc * NG + tl.arange(0, NG)
-        gm = (r[:, None] < R) & (gc[None, :] < C // GQ)
-        v = _values(src, scale, zero, extra, tables, tl.reshape(q, (TR, NG, GQ)), r[:, None] * (C // GQ) + gc[None, :], gm, True, KIND)
-        v = tl.reshape(v, (TR, TC))
-    else:  # element f = r * C + c of the storage is in group f // G
-        v = _values(src, scale, zero, extra, tables, q, (r[:, None] * C + c[None, :]) // G, m, False, KIND)
-    v = v.to(tl.bfloat16)
+        q = tl.join(byte & 15, byte >> 4)
+    if GQ > 0:
+        q = tl.reshape(q, (TR, TC // GQ, GQ))
+    else:
+        q = tl.reshape(q, (TR, TC))
+    if KIND == INT4:
+        v = (q.to(tl.float32) - z) * a
+    else:
+        v = tl.load(tables + q.to(tl.int32)) * a
+    v = tl.reshape(v, (TR, TC)).to(tl.bfloat16)
     if TRANS:
         tl.store(out + c[:, None] * R + r[None, :], tl.trans(v), mask=tl.trans(m))
     else:
@@ -59,32 +67,24 @@ def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
 
 
 @triton.jit
-def _values(src, scale, zero, extra, tables, q, g, m, SPREAD: tl.constexpr, KIND: tl.constexpr):
-    """fp32 values of codes ``q`` whose groups are ``g`` (``SPREAD``: ``g`` has one statistic
-    per group, ``q`` one more axis, the group's codes)."""
+def _stats(src, scale, zero, extra, tables, g, m, KIND: tl.constexpr):
+    """fp32 statistics of groups ``g``: int4's scale and zero point (in codes), NF4's absmax and
+    MXFP4's power of two (each with a zero beside it)."""
     if KIND == INT4:
         s = tl.load((src + scale).to(tl.pointer_type(tl.float16)) + g, mask=m, other=0.0).to(tl.float32)
         z = tl.load((src + zero) + g, mask=m, other=0).to(tl.float32) / 16.0
-        if SPREAD:
-            s, z = s[:, :, None], z[:, :, None]
-        v = (q.to(tl.float32) - z) * s
+        return s, z
     elif KIND == NF4:
         qa = tl.load((src + scale) + g, mask=m, other=0).to(tl.int32)
         a2 = tl.load((src + zero).to(tl.pointer_type(tl.float32)) + g // 256, mask=m, other=0.0)
         off = tl.load((src + extra).to(tl.pointer_type(tl.float32)))
         absmax = tl.load(tables + 16 + qa, mask=m, other=0.0) * a2
-        absmax = absmax + off
-        if SPREAD:
-            absmax = absmax[:, :, None]
-        v = tl.load(tables + q.to(tl.int32)) * absmax
+        return absmax + off, a2 * 0.0
     else:  # MXFP4: 2 ** (e - 127), built from its bits (e = 0: the subnormal 2**-127)
         e = tl.load((src + scale) + g, mask=m, other=127).to(tl.int32)
         bits = tl.where(e == 0, 0x00400000, e << 23)
         p = bits.to(tl.float32, bitcast=True)
-        if SPREAD:
-            p = p[:, :, None]
-        v = tl.load(tables + q.to(tl.int32)) * p
-    return v
+        return p, p * 0.0
 
 
 @triton.jit

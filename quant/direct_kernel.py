@@ -61,9 +61,10 @@ def pick(j, b, picks, resident, dst, ids, counts, usage, USAGE: tl.constexpr, PL
 @triton.jit
 def base_of(src, dev, starts, e):
     """Where expert ``e``'s blob starts: ``src`` plus its start, or, for a negative start, ``dev``
-    plus ``-1 - start`` (``quant.direct``'s two sources)."""
+    plus ``-1 - start`` (``quant.direct``'s two sources); a multiple of 16 bytes."""
     st = tl.load(starts + e)
-    return tl.where(st >= 0, src + st, dev + (-1 - st))
+    # blobs start 4 KiB apart in both pools: telling the compiler lets it read and write in vectors
+    return tl.multiple_of(tl.where(st >= 0, src + st, dev + (-1 - st)), 16)
 
 
 @triton.jit
