@@ -24,7 +24,8 @@ def describe(path: str) -> dict:
     out = {"path": str(m.root), "model_type": m.model_type, "precisions": list(m.precisions), "layers": []}
     for L, e in m.layers.items():
         row = {"layer": L, "module": e.module, "experts": e.layout.num_experts,
-               "tensors": {t.name: list(t.shape) for t in e.layout.tensors}, "blob_bytes": {}, "min_sqnr_db": {}}
+               "tensors": {t.name: list(t.shape) for t in e.layout.tensors}, "blob_bytes": {}, "min_sqnr_db": {},
+               "kept_higher": {p: n for p in m.precisions if (n := e.layout.num_experts - e.encodings[p].get(p, 0))}}
         for p in m.precisions:
             row["blob_bytes"][p] = e.blobs[p].nbytes
             sq = [x[p].sqnr_db for x in e.experts if x[p].sqnr_db is not None]
@@ -36,6 +37,7 @@ def describe(path: str) -> dict:
     out["routing_prior"] = None if prior is None else {
         "layers": sorted(prior), "lookups": int(sum(sum(row) for row in prior.values()))}
     out["calibration"] = m.pack.get("calibration")  # pack --calibration: int4 rounded by GPTQ for this text
+    out["min_sqnr_db"] = m.pack.get("min_sqnr_db")  # pack --min-sqnr: experts below it in int4 or nf4 kept at int8
     return out
 
 
@@ -95,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     if cal:
         print(f"int4 calibrated (GPTQ) on {cal.get('tokens')} tokens of {cal.get('file')}"
               + (f"; {cal['uncalibrated']} experts no calibration token reached kept the plain fit" if "uncalibrated" in cal else ""))
+    if info["min_sqnr_db"] is not None:
+        kept: dict[str, int] = {}
+        for r in info["layers"]:
+            for p, n in r["kept_higher"].items():
+                kept[p] = kept.get(p, 0) + n
+        print(f"experts below {info['min_sqnr_db']:g} dB SQNR kept at a higher precision (--min-sqnr): "
+              + (", ".join(f"{p} {n} of {info['experts']}" for p, n in kept.items()) or "none"))
     print(f"{'layer':>5}  {'experts':>7}  " + "  ".join(f"{p + ' KiB':>10} {p + ' dB':>8}" for p in info["precisions"]))
     for r in info["layers"]:
         cells = []
