@@ -9,6 +9,7 @@ anything is written), and manifests whose encodings are not what pack writes.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -22,6 +23,8 @@ from tiers.loader.pack import pack
 from tiers.loader.pack_files import verify_files
 from tiers.loader.packed import MANIFEST, read_manifest
 from tiers.tools.pack import main as pack_main
+
+inspect_cli = importlib.import_module("tiers.tools.inspect")
 
 FOUR_BIT = ("int4", "nf4")
 PRECISIONS = ("bf16", "int8", *FOUR_BIT)
@@ -173,3 +176,17 @@ def test_an_encoding_removed_from_a_kept_expert_is_refused(mixed, tmp_path):
     root = _edit(mixed, tmp_path / "p", drop)
     with pytest.raises(FormatError, match=r"int4\.nbytes: \d+ bytes, the layer's int4 blob layout has \d+"):
         read_manifest(root)
+
+
+def test_inspect_counts_the_experts_kept_per_precision(made, mixed, capsys):
+    m = read_manifest(mixed)
+    info = inspect_cli.describe(str(mixed))
+    assert info["min_sqnr_db"] == m.pack["min_sqnr_db"]
+    for row in info["layers"]:
+        entry = m.layers[row["layer"]]
+        assert row["kept_higher"] == {p: entry.encodings[p]["int8"] for p in FOUR_BIT if "int8" in entry.encodings[p]}
+    assert inspect_cli.main([str(mixed)]) == 0
+    out = capsys.readouterr().out
+    assert f"int4 {m.pack['promoted']['int4']} of {len(m.keys)}, nf4 {m.pack['promoted']['nf4']} of {len(m.keys)}" in out
+    assert inspect_cli.main([str(made[1])]) == 0
+    assert "kept at a higher precision" not in capsys.readouterr().out  # a pack without --min-sqnr

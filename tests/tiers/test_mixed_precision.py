@@ -9,6 +9,9 @@ size; direct decode takes only layers whose experts it would read share one enco
 """
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -17,8 +20,9 @@ from blob_files import decoded
 from conftest import save_tiny
 from tiers.api import manager_of
 from tiers.loader.layout import ExpertKey, find_experts_modules
+from tiers.loader.manifest_parse import checksum
 from tiers.loader.pack import pack
-from tiers.loader.packed import read_manifest
+from tiers.loader.packed import MANIFEST, read_manifest
 from tiers.store.table import Home
 from untiered import GEN, assert_bit_identical, assert_consistent, assert_generate_equal, prompt, reference
 
@@ -41,9 +45,10 @@ def made(tmp_path_factory):
     return src, plain, mixed, kept
 
 
-def _by_hand(made, mgr):
-    """transformers' model of the source with each expert as ``mgr`` should serve it (see the module docstring)."""
-    src, plain, _, kept = made
+def _by_hand(made, mgr, kept=None):
+    """transformers' model of the source with each expert as ``mgr`` should serve it (see the module
+    docstring); ``kept``: the experts at int8, where not the mixed pack's."""
+    src, plain, _, kept = *made[:3], made[3] if kept is None else kept
     ref = reference(src, "cpu", batched_decode=mgr.batched_decode)
     modules = find_experts_modules(ref)
     for key, r in mgr.table.items():
@@ -144,3 +149,23 @@ def test_the_rebalancer_with_a_mixed_warm_pool_is_refused(made):
                                          r"\(pack --min-sqnr\)"):
         tiers.load(made[2], cfg, progress=False)
     tiers.load(made[1], cfg, progress=False)  # the same without --min-sqnr loads
+
+
+def test_a_transit_row_holds_the_largest_blob_of_any_layer_of_its_pool(made, tmp_path):
+    """Layers of one expert shape share a slot pool and its transit rows; here only the last layer
+    keeps experts at int8 (its int4 references aliased by hand, as pack writes them)."""
+    root = tmp_path / "last"
+    shutil.copytree(made[1], root)
+    doc = json.loads((root / MANIFEST).read_text())
+    last = doc["layers"][-1]
+    for x in last["experts"][::2]:
+        x["int4"] = {**x["int8"], "encoding": "int8"}
+    doc["checksum"] = checksum(doc)
+    (root / MANIFEST).write_text(json.dumps(doc))
+    kept = {ExpertKey(last["layer"], x["expert"]) for x in last["experts"][::2]}
+    every = {"tiers": {"gpu": {"fraction": 1.0, "precision": "int4"}, "cpu": {"precision": "int4"}, "nvme": {"precision": "int4"}}}
+    for cfg in (every, CONFIGS["every expert int4 warm"]):
+        model = tiers.load(root, cfg, progress=False)
+        mgr = manager_of(model)
+        assert [g.transit_bytes for g in mgr.placement.groups] == [mgr.manifest.layers[0].blobs["int8"].stride]
+        assert_bit_identical(_by_hand(made, mgr, kept), model, prompt("cpu", batch=4, length=16))

@@ -10,7 +10,8 @@ Budget accounting on the GPU: ``budget >= hot slots + staging slots + transit ro
 bytes: a transit row per staging slot where lossy experts are small enough to stack
 (``STACK_BYTES``), else ``TRANSIT_RING`` rows at most; when every expert fits, no staging slot is
 reserved. A gpu ``fraction`` is of the bytes of all experts at compute precision (bf16); a cpu
-``fraction`` is of the bytes of all experts at the cpu tier's precision (4 KiB aligned blobs).
+``fraction`` is of the bytes of all experts at the cpu tier's precision (4 KiB aligned blobs, each
+in the encoding pack stored it in: an expert kept at int8 by ``--min-sqnr`` counts as int8).
 
 Quantized hot experts (``tiers.gpu.precision`` not bf16): the budget holds the staging slots as
 above and, in what is left, the hot experts' blobs in the gpu precision (``Placement.gpu_pool``,
@@ -184,9 +185,10 @@ class _Sizes:
         return [entry.blobs[enc] for p in (cfg.cpu.precision, cfg.nvme.precision, cfg.gpu.precision) if p in entry.blobs and p != "bf16"
                 for enc in entry.encodings[p]]
 
-    def transit(self, L: int) -> int:
-        """Bytes of a transit row for layer ``L``: its largest lossy blob's stride (0: none lossy)."""
-        return max((b.stride for b in self.lossy(L)), default=0)
+    def transit(self, Ls: list[int]) -> int:
+        """Bytes of a transit row for layers ``Ls`` (one pool): their largest lossy blob's stride (0: none
+        lossy). Layers of one signature differ where pack kept different experts at a higher precision."""
+        return max((b.stride for L in Ls for b in self.lossy(L)), default=0)
 
     def largest(self, Ls: list[int]) -> int:
         return max((b.nbytes for L in Ls for b in self.lossy(L)), default=0)
@@ -196,14 +198,14 @@ class _Sizes:
 
     def reserve(self, n: int) -> int:
         """GPU bytes ``n`` staging slots per group take, with their transit rows."""
-        return sum(n * self.slot_bytes[Ls[0]] + self.rows(Ls, n) * self.transit(Ls[0]) for Ls in self.groups.values())
+        return sum(n * self.slot_bytes[Ls[0]] + self.rows(Ls, n) * self.transit(Ls) for Ls in self.groups.values())
 
     def auto_staging(self, budget: int) -> int:
         """``staging_slots: auto``: 2 x top-k (a decode call's misses fit half of them), or up to 4 x
         so that half of them carries AUTO_PART_BYTES up, at least AUTO_RING_PER_TOP_K x top-k where
         every pool keeps a transit ring; in at most half the budget."""
         k = top_k(self.manifest)
-        moved = min(self.transit(Ls[0]) or self.slot_bytes[Ls[0]] for Ls in self.groups.values())  # an expert's bytes up
+        moved = min(self.transit(Ls) or self.slot_bytes[Ls[0]] for Ls in self.groups.values())  # an expert's bytes up
         n = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
         if all(self.largest(Ls) > STACK_BYTES for Ls in self.groups.values()):  # transit rings: see AUTO_RING_PER_TOP_K
             n = max(n, AUTO_RING_PER_TOP_K * k)
@@ -302,7 +304,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
         GroupPlan(
             layers=tuple(Ls),
             slot_bytes=sizes.slot_bytes[Ls[0]],
-            transit_bytes=sizes.transit(Ls[0]) if n_staging else 0,
+            transit_bytes=sizes.transit(Ls) if n_staging else 0,
             hot=sum(1 for k in hot if k.layer in Ls),
             staging=n_staging,
             transit_rows=sizes.rows(Ls, n_staging),
