@@ -58,7 +58,12 @@ def runtime_table(doc: dict) -> str:
     for tier in ("gpu", "cpu", "nvme"):
         es = tiers.get(tier, [])
         precisions = sorted({e["precision"] for e in es})
-        lines.append(f"{tier}: {len(es)} experts, {sum(e['bytes'] for e in es) / 2**20:.1f} MiB ({', '.join(precisions) or '-'})")
+        kept: dict[str, int] = {}  # experts whose bytes use another precision's layout (pack --min-sqnr)
+        for e in es:
+            if e.get("encoding", e["precision"]) not in (e["precision"], "bf16"):
+                kept[e["encoding"]] = kept.get(e["encoding"], 0) + 1
+        lines.append(f"{tier}: {len(es)} experts, {sum(e['bytes'] for e in es) / 2**20:.1f} MiB ({', '.join(precisions) or '-'}"
+                     + "".join(f", {n} kept at {enc}" for enc, n in sorted(kept.items())) + ")")
     host, gpu = doc["host"], doc["gpu"]
     lines.append(f"host slab: {host['capacity'] / 2**20:.1f} MiB, " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in host.items()
                                                                            if k not in ("capacity", "used", "pinned", "budget")))

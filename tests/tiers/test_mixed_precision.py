@@ -9,6 +9,7 @@ size; direct decode takes only layers whose experts it would read share one enco
 """
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 
@@ -27,6 +28,7 @@ from tiers.store.table import Home
 from untiered import GEN, assert_bit_identical, assert_consistent, assert_generate_equal, prompt, reference
 
 PRECISIONS = ("bf16", "int8", "int4")
+inspect_cli = importlib.import_module("tiers.tools.inspect")
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +114,11 @@ def test_pools_hold_each_blob_at_its_real_size(made):
         key = ExpertKey(e["layer"], e["expert"])
         assert e["precision"] == "int4" and e["encoding"] == ("int8" if key in kept else "int4")
         assert e["bytes"] == stride[key]
-    for line, keys in zip(doc["summary"], (p.gpu_pool, p.warm, p.cold)):
+    text = inspect_cli.runtime_table(doc)  # tiers-inspect manifest.json
+    for tier, line, keys in zip(("gpu", "cpu", "nvme"), doc["summary"], (p.gpu_pool, p.warm, p.cold)):
         n = len(set(keys) & kept)
         assert (f"{n} kept at int8" in line) == (n > 0), line
+        assert f"{tier}: {len(keys)} experts, " in text and (f"(int4, {n} kept at int8)" in text) == (n > 0), text
 
 
 @pytest.mark.parametrize("name", ["every expert int4 warm", "int4 quantized hot and warm"])
