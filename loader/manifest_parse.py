@@ -7,8 +7,8 @@ experts exactly ``0..n-1``, each blob reference's size equal to its layout's and
 the manifest lists, a reference's ``encoding`` (``loader.promote``) only the next higher packed
 precision and the reference then that precision's own, dense and carried file names listed
 once. What needs the files themselves (their checksums, the expert files' own safetensors
-headers, blob overlaps) is ``loader.pack_files``'. Every error is a ``FormatError`` (a ``ValueError``) naming the manifest
-file and the field, with at most ~200 characters of a value.
+headers, blob overlaps) is ``loader.pack_files``'. Every error is a ``FormatError`` (a
+``ValueError``) naming the manifest file and the field, with at most ~200 characters of a value.
 """
 from __future__ import annotations
 

@@ -135,9 +135,10 @@ class Manager:
                                  f"(packed: {list(m.precisions)}); re-pack, or set tiers.rebalance.every_tokens: 0")
         mixed = next((L for L, e in m.layers.items() if len(e.encodings[cfg.cpu.precision]) > 1), None)
         if mixed is not None:  # a promoted expert would not fit the warm place of the one it replaces
+            encodings = ", ".join(sorted(m.layers[mixed].encodings[cfg.cpu.precision]))
             raise ValueError(f"tiers.rebalance.every_tokens: the rebalancer swaps warm experts place for place, and layer {mixed} of "
-                             f"{str(m.root)!r} keeps some {cfg.cpu.precision} experts at {'/'.join(sorted(m.layers[mixed].encodings[cfg.cpu.precision]))} "
-                             f"(pack --min-sqnr); set it to 0, or use a pack without --min-sqnr")
+                             f"{str(m.root)!r} holds its {cfg.cpu.precision} experts in two encodings ({encodings}: pack --min-sqnr); "
+                             f"set it to 0, or use a pack without --min-sqnr")
 
     def _host_bytes(self, rebalancing: bool) -> int:
         """The pinned pool: warm experts, a disk ring buffer per staging slot, promotion buffers, uploads."""

@@ -1,9 +1,9 @@
 """What a loaded model's tiers hold and did, as plain data: the stats, the runtime manifest, the load summary.
 
 Owns reading the manager's collaborators into ``TierStats`` (``tiers.stats``), into the runtime
-manifest (``tiers.manifest``: per expert its tier, slot, precision, encoding and bytes; per pool its slot
-shape, stride, dtype and count and each slot's state; the host slab's layout; memory outside
-the budget), JSON-serializable, and into one summary line per tier printed at load.
+manifest (``tiers.manifest``: per expert its tier, slot, precision, encoding and bytes; per pool
+its slot shape, stride, dtype and count and each slot's state; the host slab's layout; memory
+outside the budget), JSON-serializable, and into one summary line per tier printed at load.
 """
 from __future__ import annotations
 

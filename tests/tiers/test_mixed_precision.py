@@ -149,8 +149,8 @@ def test_direct_decode_takes_only_layers_of_one_encoding(made, name):
 def test_the_rebalancer_with_a_mixed_warm_pool_is_refused(made):
     cfg = _cfg({"fraction": 0.25}, 0.3)
     cfg["tiers"]["rebalance"] = {"every_tokens": 8}
-    with pytest.raises(ValueError, match=r"tiers\.rebalance\.every_tokens: .* layer \d+ of .* keeps some int4 experts at int4/int8 "
-                                         r"\(pack --min-sqnr\)"):
+    with pytest.raises(ValueError, match=r"tiers\.rebalance\.every_tokens: .* layer \d+ of .* holds its int4 experts in two "
+                                         r"encodings \(int4, int8: pack --min-sqnr\)"):
         tiers.load(made[2], cfg, progress=False)
     tiers.load(made[1], cfg, progress=False)  # the same without --min-sqnr loads
 

@@ -230,6 +230,7 @@ def _plan_gpu_pool(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_ke
         raise ValueError(f"tiers.rebalance.every_tokens: the rebalancer moves bf16 hot experts, and with tiers.gpu.precision "
                          f"{cfg.gpu.precision!r} the hot experts stay quantized; set it to 0, or tiers.gpu.precision to bf16")
     n_staging, reserved = _staging(sizes, budget, budget_key)
+
     def stride(k: ExpertKey) -> int:  # its blob's real size: an expert pack kept at a higher precision takes more
         return manifest.blob(k, cfg.gpu.precision).stride
 
