@@ -4,10 +4,11 @@ Owns the shape of a manifest (format version 2) and every check that needs the d
 each field's type and range, the manifest's checksum of its own content, file names confined to
 the pack directory (no absolute path, no ``..``, no symlink leading out of it), each layer's
 experts exactly ``0..n-1``, each blob reference's size equal to its layout's and its file one
-the manifest lists, dense and carried file names listed once. What needs the files themselves
-(their checksums, the expert files' own safetensors headers, blob overlaps) is
-``loader.pack_files``'. Every error is a ``FormatError`` (a ``ValueError``) naming the manifest
-file and the field, with at most ~200 characters of a value.
+the manifest lists, a reference's ``encoding`` (``loader.promote``) only the next higher packed
+precision and the reference then that precision's own, dense and carried file names listed
+once. What needs the files themselves (their checksums, the expert files' own safetensors
+headers, blob overlaps) is ``loader.pack_files``'. Every error is a ``FormatError`` (a
+``ValueError``) naming the manifest file and the field, with at most ~200 characters of a value.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 from .. import quant
 from .blob import blob_layout
 from .layout import ExpertLayout
+from .promote import NEXT
 from .shown import show
 
 FORMAT = "tiers-packed"
@@ -160,22 +162,36 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
         raise p.fail(f"{field}.experts", f"expert ids {show(sorted(ids))} are not exactly 0..{layout.num_experts - 1}")
     refs = [None] * layout.num_experts
     for j, e in zip(ids, experts):
-        refs[j] = {prec: _ref(p, e, prec, f"{field}.experts[expert {j}].{prec}", blobs[prec].nbytes, expert_files) for prec in precisions}
+        where = f"{field}.experts[expert {j}]"
+        refs[j] = {prec: _ref(p, e, prec, f"{where}.{prec}", blobs, expert_files) for prec in precisions}
+        for prec, ref in refs[j].items():  # a promoted reference is its encoding's own, renamed
+            enc = ref["encoding"]
+            if enc is not None and {**ref, "encoding": None} != refs[j][enc]:
+                raise p.fail(f"{where}.{prec}", f"encoding {enc!r}, but it is not the expert's {enc} blob {show(refs[j][enc])}")
     return layer, module, layout, blobs, tuple(refs)
 
 
-def _ref(p: Parser, e: dict, prec: str, field: str, nbytes: int, expert_files: dict) -> dict:
+def _ref(p: Parser, e: dict, prec: str, field: str, blobs: dict, expert_files: dict) -> dict:
     r = p.get(e, prec, dict, field.rsplit(".", 1)[0])
     name = p.get(r, "file", str, field)
     if name not in expert_files:
         raise p.fail(f"{field}.file", f"{show(name)} is not one of the expert files the manifest lists")
     offset = p.count(r, "offset", field)
+    enc = r.get("encoding")
+    if enc is not None:  # kept at a higher precision by pack's --min-sqnr (loader.promote)
+        if prec not in NEXT or enc != NEXT[prec]:
+            allowed = f"only {NEXT[prec]!r}" if prec in NEXT else "none (omit it)"
+            raise p.fail(f"{field}.encoding", f"{show(enc)}: a {prec} reference may name {allowed}")
+        if enc not in blobs:
+            raise p.fail(f"{field}.encoding", f"{enc!r} is not packed in this layer (precisions: {sorted(blobs)})")
+    nbytes = blobs[enc or prec].nbytes
     if p.count(r, "nbytes", field) != nbytes:
-        raise p.fail(f"{field}.nbytes", f"{r['nbytes']} bytes, the layer's blob layout has {nbytes}")
+        raise p.fail(f"{field}.nbytes", f"{r['nbytes']} bytes, the layer's {enc or prec} blob layout has {nbytes}")
     sqnr = r.get("sqnr_db")
     if sqnr is not None and (isinstance(sqnr, bool) or not isinstance(sqnr, (int, float))):
         raise p.fail(f"{field}.sqnr_db", f"expected a number or null, got {show(sqnr)}")
-    return {"file": name, "offset": offset, "nbytes": nbytes, "crc32": p.count(r, "crc32", field, hi=2**32), "sqnr_db": sqnr}
+    return {"file": name, "offset": offset, "nbytes": nbytes, "crc32": p.count(r, "crc32", field, hi=2**32), "sqnr_db": sqnr,
+            "encoding": enc}
 
 
 def parse_layers(p: Parser, doc: dict, head: dict) -> list[tuple]:

@@ -34,6 +34,7 @@ from .layout import ExpertLayout, discover_layout, find_experts_modules, unserva
 from .lock import hold
 from .packed import MANIFEST, file_crc32, manifest_json, routing_prior
 from .pack_summary import PackSummary
+from .promote import NEXT, check_min_sqnr, promote
 from .convert import NAMES, Converted, expert_slice, plan_outputs
 from .skeleton import KeyMap, build_skeleton
 from .source import SourceCheckpoint
@@ -244,6 +245,7 @@ def pack(
     calibration: str | Path | None = None,
     calibration_windows: int = DEFAULT_WINDOWS,
     calibration_length: int = DEFAULT_LENGTH,
+    min_sqnr: float | None = None,
 ) -> PackSummary:
     """Pack the checkpoint at ``src`` into ``dst``. Raises if ``dst`` exists unless ``overwrite``,
     and always (ValueError) if ``dst`` is ``src``, lies inside it or contains it.
@@ -266,18 +268,15 @@ def pack(
     ``calibration``: a text whose ``calibration_windows`` windows of ``calibration_length`` tokens calibrate int4
     (GPTQ: ``loader.calibrate``); refused before anything is written (read, where no int4 is packed).
 
+    ``min_sqnr``: int4's and nf4's experts whose worst SQNR is below it are kept at int8 (``loader.promote``).
+
     ``device`` is where experts are quantized (one expert at a time); "cuda" speeds up large packs.
     bf16 blobs are the same bytes either way; INT8 blobs packed on a GPU have not been compared
     byte for byte with a CPU pack (the manifest's SQNR is computed on the device used).
     """
     t0 = time.perf_counter()
     src_path, dst = Path(src), Path(dst)
-    precisions = _check_precisions(precisions)
-    check_calibrated(calibration, precisions)
-    options = {p: dict(o) for p, o in (options or {}).items() if p in precisions}
-    for p, o in options.items():
-        scheme_options(p, o)  # a ValueError naming the precision and the setting, before anything is read
-    dev = _check_device(device)
+    precisions, options, dev = _check_arguments(precisions, options, calibration, min_sqnr, device)
     check_apart(src_path, dst)  # before the exists check, whose hint (--overwrite) would destroy the source here
     if os.path.lexists(dst) and not overwrite:  # early, before reading the source; claim checks again under the lock
         raise exists_error(dst)
@@ -300,9 +299,9 @@ def pack(
             shutil.rmtree(tmp)
         tmp.mkdir()
         try:
-            pack_doc = {"precisions": precisions, "source": src_path.name}
-            dense_files, bytes_per_precision = _write(source, config, plan, tmp, (precisions, options, calib), pack_doc, prior,
-                                                      progress, dev, t0)
+            pack_doc = {"precisions": precisions, "source": src_path.name, **({} if min_sqnr is None else {"min_sqnr_db": min_sqnr})}
+            dense_files, bytes_per_precision = _write(source, config, plan, tmp, (precisions, options, calib, min_sqnr), pack_doc,
+                                                      prior, progress, dev, t0)
             target.place(tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -310,7 +309,20 @@ def pack(
     n_experts = sum(layout.num_experts for layout in plan.layouts.values())
     dense_bytes = sum(f["nbytes"] for f in dense_files.values())
     return PackSummary(dst, n_experts, len(plan.layouts), bytes_per_precision, dense_bytes, time.perf_counter() - t0,
-                       plan.skipped, routing_prior=prior is not None, removed=removed, calibration=pack_doc.get("calibration"))
+                       plan.skipped, routing_prior=prior is not None, removed=removed, calibration=pack_doc.get("calibration"),
+                       min_sqnr=min_sqnr, promoted=pack_doc.get("promoted"))
+
+
+def _check_arguments(precisions, options, calibration, min_sqnr, device) -> tuple[list[str], dict, torch.device]:
+    """The arguments that need no source, checked before anything is read: (precisions, their
+    encoder settings, the device)."""
+    precisions = _check_precisions(precisions)
+    check_calibrated(calibration, precisions)
+    check_min_sqnr(min_sqnr, precisions)
+    options = {p: dict(o) for p, o in (options or {}).items() if p in precisions}
+    for p, o in options.items():
+        scheme_options(p, o)  # a ValueError naming the precision and the setting, before anything is read
+    return precisions, options, _check_device(device)
 
 
 def _check_precisions(precisions) -> list[str]:
@@ -336,8 +348,8 @@ def _check_device(device) -> torch.device:
 
 def _write(source, config, plan: _Plan, tmp: Path, encodings, pack_doc, prior, progress, dev, t0):
     """Every file of the pack into ``tmp``, the manifest last; (dense files, bytes per precision).
-    ``encodings``: (the precisions, each one's encoder settings, the calibration text or None)."""
-    precisions, options, calib = encodings
+    ``encodings``: (the precisions, each one's encoder settings, the calibration text or None, min_sqnr)."""
+    precisions, options, calib, min_sqnr = encodings
     carried = {}
     for f in source.carried_files():
         shutil.copy2(f, tmp / f.name)
@@ -348,9 +360,11 @@ def _write(source, config, plan: _Plan, tmp: Path, encodings, pack_doc, prior, p
         layers = {L: LayerExperts(lay, lambda e, L=L: _read_expert(source, plan.layouts[L], plan.sources[L], e))
                   for L, lay in plan.layouts.items()}
         recorded = record(calib, config, _dense_units(source, plan), layers, tmp / ".calibration", dev)
-    layer_docs, bytes_per_precision, expert_files = _write_experts(
-        source, plan.experts, plan.layouts, plan.sources, (precisions, options, recorded), tmp, progress, dev
+    layer_docs, bytes_per_precision, expert_files, promoted = _write_experts(
+        source, plan.experts, plan.layouts, plan.sources, (precisions, options, recorded, min_sqnr), tmp, progress, dev
     )
+    if min_sqnr is not None:
+        pack_doc["promoted"] = promoted
     if recorded is not None:
         shutil.rmtree(tmp / ".calibration")
         pack_doc["calibration"] = {**calib.doc(), "uncalibrated": recorded.uncalibrated}
@@ -417,7 +431,10 @@ def _write_dense(source: SourceCheckpoint, plan: _Plan, out: Path) -> dict[str, 
 
 
 def _write_experts(source, experts, layouts, sources, encodings, out: Path, progress: bool, device: torch.device):
-    precisions, options, recorded = encodings
+    """Every layer's expert files; (layer entries, bytes per precision, expert files, experts kept at a
+    higher precision per precision by ``min_sqnr``)."""
+    precisions, options, recorded, min_sqnr = encodings
+    promoted = {p: 0 for p in precisions if min_sqnr is not None and p in NEXT}
     total = sum(layouts[L].num_experts for L in layouts)
     bar = tqdm(total=total, desc="packing experts", unit="expert", disable=not progress)
     bytes_per_precision = dict.fromkeys(precisions, 0)
@@ -457,6 +474,8 @@ def _write_experts(source, experts, layouts, sources, encodings, out: Path, prog
                         "sqnr_db": round(min(sqnr.values()), 3) if sqnr else None,
                     }
                     bytes_per_precision[p] += blobs[p].stride
+                for p in promote(entry, min_sqnr) if min_sqnr is not None else ():
+                    promoted[p] += 1
                 entries.append(entry)
                 bar.update(1)
         finally:
@@ -472,4 +491,4 @@ def _write_experts(source, experts, layouts, sources, encodings, out: Path, prog
             }
         )
     bar.close()
-    return layer_docs, bytes_per_precision, expert_files
+    return layer_docs, bytes_per_precision, expert_files, promoted

@@ -111,19 +111,19 @@ def verify_files(manifest: Manifest) -> dict[str, bytes]:
     carried = {name: read_owned(root, name, info, "carried file") for name, info in manifest.carried.items()}
     for name, info in manifest.dense_files.items():
         _size(root / name, info["nbytes"], "dense weights file")
-    per_file: dict[str, list[tuple[int, int, int]]] = {name: [] for name in manifest.expert_files}
+    per_file: dict[str, set[tuple[int, int, int]]] = {name: set() for name in manifest.expert_files}
     owner: dict[str, dict] = {}
     for L, entry in manifest.layers.items():
         for e, refs in enumerate(entry.experts):
-            for precision, ref in refs.items():
-                per_file[ref.file].append((e, ref.offset, ref.nbytes))
-                owner.setdefault(ref.file, {"format": "tiers-blob", "precision": precision, "layer": str(L)})
+            for precision, ref in refs.items():  # a promoted reference (its encoding's own blob) counts once
+                per_file[ref.file].add((e, ref.offset, ref.nbytes))
+                owner.setdefault(ref.file, {"format": "tiers-blob", "precision": ref.encoding or precision, "layer": str(L)})
     for name, info in manifest.expert_files.items():
         path = root / name
         _size(path, info["nbytes"], "expert file")
-        refs = per_file[name]
+        refs = sorted(per_file[name])
         header = _expert_header(path, info)
-        if header.get("__metadata__") != owner.get(name):
+        if name in owner and header.get("__metadata__") != owner[name]:  # a file no reference uses: every expert of it promoted
             raise FormatError(f"{path}: the file is {show(header.get('__metadata__'))}, but the manifest uses it as {show(owner.get(name))}")
         _placed(path, header, info["header_bytes"], refs)
         if any(offset + nbytes > info["nbytes"] for _, offset, nbytes in refs):

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .destination import StaleDir
+from .promote import NEXT
 
 
 @dataclass
@@ -19,6 +20,8 @@ class PackSummary:
     routing_prior: bool = False
     removed: list[StaleDir] = field(default_factory=list)  # staging directories of dead packs, removed first
     calibration: dict | None = None  # the manifest's pack.calibration: int4 rounded by GPTQ for this text
+    min_sqnr: float | None = None  # pack(min_sqnr=): experts below it in int4 or nf4 kept at int8
+    promoted: dict[str, int] | None = None  # per 4-bit precision: how many experts it keeps at the next higher one
 
     def __str__(self) -> str:
         per = ", ".join(f"{p}: {_human(n)}" for p, n in self.bytes_per_precision.items())
@@ -32,6 +35,9 @@ class PackSummary:
             c = self.calibration
             s += (f"\n  int4 calibrated (GPTQ) on {c['tokens']} tokens of {c['file']}; {c['uncalibrated']} experts no calibration "
                   f"token reached kept the plain fit")
+        if self.promoted is not None:
+            kept = ", ".join(f"{p} {n} of {self.experts} at {NEXT[p]}" for p, n in self.promoted.items())
+            s += f"\n  experts below {self.min_sqnr:g} dB SQNR kept at a higher precision: {kept}"
         if self.skipped_keys:
             s += f"\n  skipped {len(self.skipped_keys)} checkpoint keys the model does not use: {self.skipped_keys[:5]}"
         if self.removed:

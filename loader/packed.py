@@ -21,6 +21,7 @@ import json
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from .blob import BlobLayout
@@ -36,13 +37,16 @@ __all__ = ["FORMAT", "VERSION", "MANIFEST", "FormatError", "BlobRef", "LayerEntr
 
 @dataclass(frozen=True)
 class BlobRef:
-    """One stored expert in one precision: where its blob is and how to check it."""
+    """One stored expert in one precision: where its blob is and how to check it. ``encoding``: the
+    precision whose blob layout its bytes use, where pack kept the expert at a higher precision
+    (``pack(min_sqnr=)``; the bytes are that precision's blob of the expert); None: its own."""
 
     file: str
     offset: int
     nbytes: int
     crc32: int
     sqnr_db: float | None = None
+    encoding: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,22 @@ class LayerEntry:
     layout: ExpertLayout
     blobs: dict[str, BlobLayout]
     experts: tuple[dict[str, BlobRef], ...]
+
+    @cached_property
+    def encodings(self) -> dict[str, dict[str, int]]:
+        """Per precision: how many of the layer's experts use each encoding's blob layout for it
+        (``{"int4": {"int4": 60, "int8": 4}}`` where pack kept 4 experts at int8)."""
+        out: dict[str, dict[str, int]] = {p: {} for p in self.blobs}
+        for refs in self.experts:
+            for p, ref in refs.items():
+                enc = ref.encoding or p
+                out[p][enc] = out[p].get(enc, 0) + 1
+        return out
+
+    def largest(self, precision: str) -> BlobLayout:
+        """The largest blob layout the layer's experts use for ``precision`` (what a buffer for any
+        of them must hold)."""
+        return max((self.blobs[enc] for enc in self.encodings[precision]), key=lambda b: (b.stride, b.nbytes))
 
 
 @dataclass(frozen=True)
@@ -80,7 +100,9 @@ class Manifest:
         return self.layers[key.layer].experts[key.expert][precision]
 
     def blob(self, key: ExpertKey, precision: str) -> BlobLayout:
-        return self.layers[key.layer].blobs[precision]
+        """The layout of ``key``'s blob for ``precision``: that precision's, or the encoding's its bytes use."""
+        entry = self.layers[key.layer]
+        return entry.blobs[entry.experts[key.expert][precision].encoding or precision]
 
 
 def file_crc32(path: Path, chunk: int = 1 << 24) -> int:

@@ -133,6 +133,12 @@ class Manager:
             if p not in m.precisions:
                 raise ValueError(f"tiers.rebalance: moving experts between tiers needs {key} {p!r} packed in {str(m.root)!r} "
                                  f"(packed: {list(m.precisions)}); re-pack, or set tiers.rebalance.every_tokens: 0")
+        mixed = next((L for L, e in m.layers.items() if len(e.encodings[cfg.cpu.precision]) > 1), None)
+        if mixed is not None:  # a promoted expert would not fit the warm place of the one it replaces
+            encodings = ", ".join(sorted(m.layers[mixed].encodings[cfg.cpu.precision]))
+            raise ValueError(f"tiers.rebalance.every_tokens: the rebalancer swaps warm experts place for place, and layer {mixed} of "
+                             f"{str(m.root)!r} holds its {cfg.cpu.precision} experts in two encodings ({encodings}: pack --min-sqnr); "
+                             f"set it to 0, or use a pack without --min-sqnr")
 
     def _host_bytes(self, rebalancing: bool) -> int:
         """The pinned pool: warm experts, a disk ring buffer per staging slot, promotion buffers, uploads."""
@@ -141,7 +147,7 @@ class Manager:
         rings = 0
         if p.cold or rebalancing:
             for g in p.groups:
-                rings += g.staging * max(m.layers[L].blobs[cfg.nvme.precision].stride for L in g.layers)
+                rings += g.staging * max(m.layers[L].largest(cfg.nvme.precision).stride for L in g.layers)
         promote = Rebalancer.buffer_bytes(m, cfg, p) if rebalancing else 0
         return warm + rings + promote + Uploads.BUFFERS * align(self._upload_length() * 8, BLOB_ALIGN)
 

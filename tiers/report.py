@@ -1,9 +1,9 @@
 """What a loaded model's tiers hold and did, as plain data: the stats, the runtime manifest, the load summary.
 
 Owns reading the manager's collaborators into ``TierStats`` (``tiers.stats``), into the runtime
-manifest (``tiers.manifest``: per expert its tier, slot, precision and bytes; per pool its slot
-shape, stride, dtype and count and each slot's state; the host slab's layout; memory outside
-the budget), JSON-serializable, and into one summary line per tier printed at load.
+manifest (``tiers.manifest``: per expert its tier, slot, precision, encoding and bytes; per pool
+its slot shape, stride, dtype and count and each slot's state; the host slab's layout; memory
+outside the budget), JSON-serializable, and into one summary line per tier printed at load.
 """
 from __future__ import annotations
 
@@ -29,6 +29,24 @@ def _expert_bytes(mgr: Any, key, home: Home) -> int:
     if home is Home.GPU and mgr.gpu_pool is None:
         return mgr.manifest.layers[key.layer].layout.nbytes()
     return mgr.manifest.blob(key, _precision(mgr, home)).stride
+
+
+def _encoding(mgr: Any, key, home: Home) -> str:
+    """The precision whose blob layout the expert's bytes in its tier use: its tier's, or the higher
+    one pack kept it at (``--min-sqnr``); bf16 for a hot slot."""
+    if home is Home.GPU and mgr.gpu_pool is None:
+        return "bf16"
+    return mgr.manifest.blob(key, _precision(mgr, home)).precision
+
+
+def _kept(mgr: Any, keys, precision: str) -> str:
+    """``", 3 kept at int8"`` where pack kept some of ``keys`` at a higher precision than ``precision``."""
+    higher: dict[str, int] = {}
+    for k in keys:
+        enc = mgr.manifest.blob(k, precision).precision
+        if enc != precision:
+            higher[enc] = higher.get(enc, 0) + 1
+    return "".join(f", {n} kept at {enc}" for enc, n in sorted(higher.items()))
 
 
 def gpu_bytes(mgr: Any) -> dict[str, int]:
@@ -92,7 +110,7 @@ def manifest(mgr: Any) -> dict:
         pool = mgr.pool_of[k.layer].index
         experts.append({"layer": k.layer, "expert": k.expert, "tier": r.home.value, "hot": r.hot,
                         "slot": None if r.slot is None else [pool, r.slot], "precision": _precision(mgr, r.home),
-                        "bytes": _expert_bytes(mgr, k, r.home), "host_offset": r.host_offset})
+                        "encoding": _encoding(mgr, k, r.home), "bytes": _expert_bytes(mgr, k, r.home), "host_offset": r.host_offset})
     pools = []
     for p, g in zip(mgr.pools, mgr.placement.groups):
         slots = []
@@ -121,12 +139,13 @@ def summary(mgr: Any) -> list[str]:
     total = len(mgr.manifest.keys)
     gpu = f"gpu: {hot} hot + {staging} staging slots, {_human(used)} of {_human(p.gpu_budget)} ({hot} of {total} experts hot)"
     if p.gpu_pool:
-        gpu = (f"gpu: {len(p.gpu_pool)} of {total} experts hot in {cfg.gpu.precision} ({_human(p.gpu_pool_bytes)}) + {staging} staging "
+        gpu = (f"gpu: {len(p.gpu_pool)} of {total} experts hot in {cfg.gpu.precision}{_kept(mgr, p.gpu_pool, cfg.gpu.precision)} "
+               f"({_human(p.gpu_pool_bytes)}) + {staging} staging "
                f"slots, {_human(used)} of {_human(p.gpu_budget)}")
     elif staging and not hot:
         gpu += "; the staging slots misses need took the whole budget, so no expert is hot: raise tiers.gpu.fraction or budget"
     host = host_layout(mgr)
-    cpu = (f"cpu: {len(p.warm)} warm experts ({cfg.cpu.precision}), {_human(host.get('warm', 0))} of {_human(p.cpu_budget)}, "
+    cpu = (f"cpu: {len(p.warm)} warm experts ({cfg.cpu.precision}{_kept(mgr, p.warm, cfg.cpu.precision)}), {_human(host.get('warm', 0))} of {_human(p.cpu_budget)}, "
            f"{_human(host['capacity'])} {'pinned' if host['pinned'] else 'not pinned (no CUDA)'} with buffers")
-    nvme = f"nvme: {len(p.cold)} cold experts ({cfg.nvme.precision}) read from {mgr.manifest.root}"
+    nvme = f"nvme: {len(p.cold)} cold experts ({cfg.nvme.precision}{_kept(mgr, p.cold, cfg.nvme.precision)}) read from {mgr.manifest.root}"
     return [gpu, cpu, nvme]

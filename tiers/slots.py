@@ -217,7 +217,7 @@ class Slots:
             return
         rows = [self.table[ExpertKey(layer, e)] for e in experts]
         cold = [e for e, r in zip(experts, rows) if r.slot is None and r.home is Home.NVME]
-        if len(cold) < 2 or self.manifest.layers[layer].blobs[self.read_ahead.precision].nbytes > self.PARALLEL_READ_BYTES:
+        if len(cold) < 2 or self.manifest.layers[layer].largest(self.read_ahead.precision).nbytes > self.PARALLEL_READ_BYTES:
             return
         pool = self.pool_of[layer]
         if sum(not r.hot for r in rows) > self.unheld_staging(pool):

@@ -90,7 +90,7 @@ def staging_only_gpu(manifest, precision: str, n: int) -> dict:
     and their transit rows (as the placement counts them), so no expert is hot. Every MoE layer
     of the bench's models has one expert shape."""
     entry = next(iter(manifest.layers.values()))
-    blob = entry.blobs[precision] if precision != "bf16" else None
+    blob = entry.largest(precision) if precision != "bf16" else None
     rows = transit_rows(n, blob.nbytes) if blob else 0
     return {"budget": n * entry.layout.nbytes() + rows * (blob.stride if blob else 0), "staging_slots": n}
 

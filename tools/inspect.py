@@ -24,7 +24,8 @@ def describe(path: str) -> dict:
     out = {"path": str(m.root), "model_type": m.model_type, "precisions": list(m.precisions), "layers": []}
     for L, e in m.layers.items():
         row = {"layer": L, "module": e.module, "experts": e.layout.num_experts,
-               "tensors": {t.name: list(t.shape) for t in e.layout.tensors}, "blob_bytes": {}, "min_sqnr_db": {}}
+               "tensors": {t.name: list(t.shape) for t in e.layout.tensors}, "blob_bytes": {}, "min_sqnr_db": {},
+               "kept_higher": {p: n for p in m.precisions if (n := e.layout.num_experts - e.encodings[p].get(p, 0))}}
         for p in m.precisions:
             row["blob_bytes"][p] = e.blobs[p].nbytes
             sq = [x[p].sqnr_db for x in e.experts if x[p].sqnr_db is not None]
@@ -36,6 +37,7 @@ def describe(path: str) -> dict:
     out["routing_prior"] = None if prior is None else {
         "layers": sorted(prior), "lookups": int(sum(sum(row) for row in prior.values()))}
     out["calibration"] = m.pack.get("calibration")  # pack --calibration: int4 rounded by GPTQ for this text
+    out["min_sqnr_db"] = m.pack.get("min_sqnr_db")  # pack --min-sqnr: experts below it in int4 or nf4 kept at int8
     return out
 
 
@@ -56,7 +58,12 @@ def runtime_table(doc: dict) -> str:
     for tier in ("gpu", "cpu", "nvme"):
         es = tiers.get(tier, [])
         precisions = sorted({e["precision"] for e in es})
-        lines.append(f"{tier}: {len(es)} experts, {sum(e['bytes'] for e in es) / 2**20:.1f} MiB ({', '.join(precisions) or '-'})")
+        kept: dict[str, int] = {}  # experts whose bytes use another precision's layout (pack --min-sqnr)
+        for e in es:
+            if e.get("encoding", e["precision"]) not in (e["precision"], "bf16"):
+                kept[e["encoding"]] = kept.get(e["encoding"], 0) + 1
+        lines.append(f"{tier}: {len(es)} experts, {sum(e['bytes'] for e in es) / 2**20:.1f} MiB ({', '.join(precisions) or '-'}"
+                     + "".join(f", {n} kept at {enc}" for enc, n in sorted(kept.items())) + ")")
     host, gpu = doc["host"], doc["gpu"]
     lines.append(f"host slab: {host['capacity'] / 2**20:.1f} MiB, " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in host.items()
                                                                            if k not in ("capacity", "used", "pinned", "budget")))
@@ -95,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     if cal:
         print(f"int4 calibrated (GPTQ) on {cal.get('tokens')} tokens of {cal.get('file')}"
               + (f"; {cal['uncalibrated']} experts no calibration token reached kept the plain fit" if "uncalibrated" in cal else ""))
+    if info["min_sqnr_db"] is not None:
+        kept: dict[str, int] = {}
+        for r in info["layers"]:
+            for p, n in r["kept_higher"].items():
+                kept[p] = kept.get(p, 0) + n
+        print(f"experts below {info['min_sqnr_db']:g} dB SQNR kept at a higher precision (--min-sqnr): "
+              + (", ".join(f"{p} {n} of {info['experts']}" for p, n in kept.items()) or "none"))
     print(f"{'layer':>5}  {'experts':>7}  " + "  ".join(f"{p + ' KiB':>10} {p + ' dB':>8}" for p in info["precisions"]))
     for r in info["layers"]:
         cells = []

@@ -1,7 +1,7 @@
 """tiers-pack: convert a Hugging Face MoE checkpoint directory into the packed tier format.
 
     python tools/pack.py SRC DST [--config tiers.yaml] [--precisions bf16,int8] [--routing routing.json] [--overwrite]
-                         [--calibration TEXT [--calibration-windows 64] [--calibration-length 512]]
+                         [--calibration TEXT [--calibration-windows 64] [--calibration-length 512]] [--min-sqnr DB]
     python tools/pack.py PACKED --set-routing routing.json     # embed a routing prior in an existing pack
     python tools/pack.py PACKED --clear-routing                # remove it
 """
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"windows of the calibration text, evenly spaced (default {DEFAULT_WINDOWS})")
     ap.add_argument("--calibration-length", type=int, default=DEFAULT_LENGTH, metavar="TOKENS",
                     help=f"tokens per calibration window (default {DEFAULT_LENGTH})")
+    ap.add_argument("--min-sqnr", type=float, metavar="DB", help="keep each expert whose worst tensor quantizes below DB dB of "
+                    "SQNR in int4 or nf4 at int8 in that precision's tiers (int8 must be packed too)")
     ap.add_argument("--set-routing", metavar="FILE", help="embed FILE as the routing prior of the packed checkpoint SRC "
                     "(its manifest is replaced whole; nothing is re-packed)")
     ap.add_argument("--clear-routing", action="store_true", help="remove the routing prior of the packed checkpoint SRC")
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             precisions = list(dict.fromkeys(precisions + [p.strip() for p in args.precisions.split(",") if p.strip()]))
         summary = pack(args.src, args.dst, precisions=precisions, overwrite=args.overwrite, progress=not args.quiet, device=args.device,
                        routing=args.routing, options=options, calibration=args.calibration,
-                       calibration_windows=args.calibration_windows, calibration_length=args.calibration_length)
+                       calibration_windows=args.calibration_windows, calibration_length=args.calibration_length,
+                       min_sqnr=args.min_sqnr)
     except EXPECTED_ERRORS as e:
         return _error(e, f"packing {args.src} into {args.dst}")
     print(summary)

@@ -14,13 +14,14 @@ forward uses as its expert ids. Nothing syncs, so a decode step can replay as on
 
 A layer qualifies when every expert is hot, warm, or quantized hot (the GPU cannot read a file),
 in a precision ``quant.direct`` decodes: the warm ones' and the quantized hot ones' must be one,
-the one its ``DirectExpert`` decodes. A quantized hot expert is decoded from the GPU's blob pool
-(``quant.direct``'s second source: ``resident`` -2 and a negative start), which moves no bytes
-between tiers and counts as a GPU hit. Where the host-routed path would copy a pool's experts with the copy
-engine (above ``STACK_BYTES``), a stage runs direct only while the pool's last decode stage
-missed fewer than ``MISS_BYTES`` per layer call: read by the SMs, Mixtral-8x7B's 168 MiB experts
-cost more device time than copied (6-12% slower per token in arms missing 1.2-1.7 experts per
-call, 14% faster in one missing 0.46).
+the one its ``DirectExpert`` decodes, and so must their blobs' encodings (a layer where pack kept
+some of them at a higher precision, ``--min-sqnr``, runs host-routed). A quantized hot expert is
+decoded from the GPU's blob pool (``quant.direct``'s second source: ``resident`` -2 and a
+negative start), which moves no bytes between tiers and counts as a GPU hit. Where the
+host-routed path would copy a pool's experts with the copy engine (above ``STACK_BYTES``), a
+stage runs direct only while the pool's last decode stage missed fewer than ``MISS_BYTES`` per
+layer call: read by the SMs, Mixtral-8x7B's 168 MiB experts cost more device time than copied
+(6-12% slower per token in arms missing 1.2-1.7 experts per call, 14% faster in one missing 0.46).
 
 Slot rule: at ``begin_stage`` the table reserves staging slots of each pool with a qualifying
 layer (``Table.reserve``, "direct"): all of them when every layer of the pool runs direct, else
@@ -99,7 +100,12 @@ class DirectPath:
             precision = mgr.staging.gpu_precision if pooled.any() else mgr.staging.cpu_precision
             if warm.any() and pooled.any() and mgr.staging.cpu_precision != precision:
                 continue  # two encodings in one layer: host-routed
-            blob = entry.blobs.get(precision)
+            encodings = set(entry.encodings.get(precision, ()))
+            if len(encodings) > 1:  # pack kept some at a higher precision (--min-sqnr): those its kernel would decode
+                encodings = {entry.experts[e][precision].encoding or precision for e in np.flatnonzero(warm | pooled)}
+            if len(encodings) > 1:
+                continue  # one launch decodes one encoding: host-routed
+            blob = entry.blobs.get(encodings.pop() if encodings else precision)
             pool = mgr.pool_of[layer]
             if mgr.resident.qualifies(layer) or blob is None or mgr.staging.direct_tensors(pool, blob) is None:
                 continue

@@ -195,8 +195,8 @@ class StreamedPath:
                     s.whole.read.append(e)
                 table.stage(key, pool.index, slot, by="stream")
                 fetched.append((key, precision, source, src, slot))
-            warm = all(source == "cpu" for _, _, source, _, _ in fetched)
             blob = mgr.manifest.blob(fetched[0][0], fetched[0][1])
+            warm = all(source == "cpu" and mgr.manifest.blob(key, precision) is blob for key, precision, source, _, _ in fetched)  # one layout
             if not (warm and staging.write_part(pool, blob, [f[4] for f in fetched], [f[3] for f in fetched])):
                 for key, precision, source, src, slot in fetched:
                     staging.write(key, pool, slot, precision, source, src, direct_ok=False)

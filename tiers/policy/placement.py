@@ -10,7 +10,8 @@ Budget accounting on the GPU: ``budget >= hot slots + staging slots + transit ro
 bytes: a transit row per staging slot where lossy experts are small enough to stack
 (``STACK_BYTES``), else ``TRANSIT_RING`` rows at most; when every expert fits, no staging slot is
 reserved. A gpu ``fraction`` is of the bytes of all experts at compute precision (bf16); a cpu
-``fraction`` is of the bytes of all experts at the cpu tier's precision (4 KiB aligned blobs).
+``fraction`` is of the bytes of all experts at the cpu tier's precision (4 KiB aligned blobs, each
+in the encoding pack stored it in: an expert kept at int8 by ``--min-sqnr`` counts as int8).
 
 Quantized hot experts (``tiers.gpu.precision`` not bf16): the budget holds the staging slots as
 above and, in what is left, the hot experts' blobs in the gpu precision (``Placement.gpu_pool``,
@@ -21,7 +22,7 @@ does not move them yet: a config that asks for both is refused.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tiers import quant
@@ -155,13 +156,14 @@ def _config_top_k(manifest: Manifest) -> int:
     return 1
 
 
-def _fill(order: list[ExpertKey], cost: dict[int, int], budget: int) -> list[ExpertKey]:
-    """Take experts in preference order while each one's cost (by layer) still fits the budget."""
+def _fill(order: list[ExpertKey], cost: Callable[[ExpertKey], int], budget: int) -> list[ExpertKey]:
+    """Take experts in preference order while each one's cost still fits the budget."""
     taken = []
     for k in order:
-        if cost[k.layer] <= budget:
+        c = cost(k)
+        if c <= budget:
             taken.append(k)
-            budget -= cost[k.layer]
+            budget -= c
     return taken
 
 
@@ -178,13 +180,15 @@ class _Sizes:
 
     def lossy(self, L: int) -> list:
         """The layer's blobs that are dequantized through a transit row: the cpu and nvme tiers', and
-        the gpu tier's where hot experts stay quantized."""
-        blobs, cfg = self.manifest.layers[L].blobs, self.cfg
-        return [blobs[p] for p in (cfg.cpu.precision, cfg.nvme.precision, cfg.gpu.precision) if p in blobs and p != "bf16"]
+        the gpu tier's where hot experts stay quantized, in every encoding its experts use for them."""
+        entry, cfg = self.manifest.layers[L], self.cfg
+        return [entry.blobs[enc] for p in (cfg.cpu.precision, cfg.nvme.precision, cfg.gpu.precision) if p in entry.blobs and p != "bf16"
+                for enc in entry.encodings[p]]
 
-    def transit(self, L: int) -> int:
-        """Bytes of a transit row for layer ``L``: its largest lossy blob's stride (0: none lossy)."""
-        return max((b.stride for b in self.lossy(L)), default=0)
+    def transit(self, Ls: list[int]) -> int:
+        """Bytes of a transit row for layers ``Ls`` (one pool): their largest lossy blob's stride (0: none
+        lossy). Layers of one signature differ where pack kept different experts at a higher precision."""
+        return max((b.stride for L in Ls for b in self.lossy(L)), default=0)
 
     def largest(self, Ls: list[int]) -> int:
         return max((b.nbytes for L in Ls for b in self.lossy(L)), default=0)
@@ -194,14 +198,14 @@ class _Sizes:
 
     def reserve(self, n: int) -> int:
         """GPU bytes ``n`` staging slots per group take, with their transit rows."""
-        return sum(n * self.slot_bytes[Ls[0]] + self.rows(Ls, n) * self.transit(Ls[0]) for Ls in self.groups.values())
+        return sum(n * self.slot_bytes[Ls[0]] + self.rows(Ls, n) * self.transit(Ls) for Ls in self.groups.values())
 
     def auto_staging(self, budget: int) -> int:
         """``staging_slots: auto``: 2 x top-k (a decode call's misses fit half of them), or up to 4 x
         so that half of them carries AUTO_PART_BYTES up, at least AUTO_RING_PER_TOP_K x top-k where
         every pool keeps a transit ring; in at most half the budget."""
         k = top_k(self.manifest)
-        moved = min(self.transit(Ls[0]) or self.slot_bytes[Ls[0]] for Ls in self.groups.values())  # an expert's bytes up
+        moved = min(self.transit(Ls) or self.slot_bytes[Ls[0]] for Ls in self.groups.values())  # an expert's bytes up
         n = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
         if all(self.largest(Ls) > STACK_BYTES for Ls in self.groups.values()):  # transit rings: see AUTO_RING_PER_TOP_K
             n = max(n, AUTO_RING_PER_TOP_K * k)
@@ -215,7 +219,7 @@ def _plan_gpu(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: st
     if budget >= sum(sizes.slot_bytes[k.layer] for k in order):
         return list(order), 0  # every expert fits: no staging slot
     n_staging, reserved = _staging(sizes, budget, budget_key)
-    return _fill(order, sizes.slot_bytes, budget - reserved), n_staging
+    return _fill(order, lambda k: sizes.slot_bytes[k.layer], budget - reserved), n_staging
 
 
 def _plan_gpu_pool(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: str) -> tuple[list[ExpertKey], int, int]:
@@ -226,9 +230,12 @@ def _plan_gpu_pool(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_ke
         raise ValueError(f"tiers.rebalance.every_tokens: the rebalancer moves bf16 hot experts, and with tiers.gpu.precision "
                          f"{cfg.gpu.precision!r} the hot experts stay quantized; set it to 0, or tiers.gpu.precision to bf16")
     n_staging, reserved = _staging(sizes, budget, budget_key)
-    stride = {L: e.blobs[cfg.gpu.precision].stride for L, e in manifest.layers.items()}
+
+    def stride(k: ExpertKey) -> int:  # its blob's real size: an expert pack kept at a higher precision takes more
+        return manifest.blob(k, cfg.gpu.precision).stride
+
     pool = _fill(order, stride, budget - reserved)
-    return pool, n_staging, sum(stride[k.layer] for k in pool)
+    return pool, n_staging, sum(stride(k) for k in pool)
 
 
 def _staging(sizes: _Sizes, budget: int, budget_key: str) -> tuple[int, int]:
@@ -256,15 +263,19 @@ def _plan_cpu(cfg: TiersConfig, manifest: Manifest, order: list[ExpertKey], rest
     """The warm experts among ``rest`` (in preference order) under the cpu tier's budget, and that budget."""
     csize = cfg.cpu.size
     cpu_key = "tiers.cpu.budget" if csize.budget is not None else "tiers.cpu.fraction"
-    stride = {L: e.blobs[cfg.cpu.precision].stride if cfg.cpu.precision in e.blobs else 0 for L, e in manifest.layers.items()}
+    packed = cfg.cpu.precision in manifest.precisions
+
+    def stride(k: ExpertKey) -> int:  # its blob's real size in the pool (the encoding pack kept it in)
+        return manifest.blob(k, cfg.cpu.precision).stride if packed else 0
+
     if rest and (csize.budget or csize.fraction):
         _check_precision(manifest, "tiers.cpu.precision", cfg.cpu.precision)
-    cpu_budget = csize.budget if csize.budget is not None else int(csize.fraction * sum(stride[k.layer] for k in order))
+    cpu_budget = csize.budget if csize.budget is not None else int(csize.fraction * sum(stride(k) for k in order))
     if not cpu_budget:  # no cpu tier (its precision unchecked, so possibly not packed: a stride of 0 would "fit" every expert)
         return [], 0
-    if csize.budget is not None and rest and cpu_budget < min(stride[k.layer] for k in rest):
+    if csize.budget is not None and rest and cpu_budget < min(stride(k) for k in rest):
         raise ValueError(
-            f"{cpu_key}: {cpu_budget} bytes is smaller than one expert ({min(stride[k.layer] for k in rest)} bytes at {cfg.cpu.precision})"
+            f"{cpu_key}: {cpu_budget} bytes is smaller than one expert ({min(stride(k) for k in rest)} bytes at {cfg.cpu.precision})"
         )
     return _fill(rest, stride, cpu_budget), cpu_budget
 
@@ -294,7 +305,7 @@ def plan_placement(cfg: TiersConfig, manifest: Manifest, routing: Mapping[int, S
         GroupPlan(
             layers=tuple(Ls),
             slot_bytes=sizes.slot_bytes[Ls[0]],
-            transit_bytes=sizes.transit(Ls[0]) if n_staging else 0,
+            transit_bytes=sizes.transit(Ls) if n_staging else 0,
             hot=sum(1 for k in hot if k.layer in Ls),
             staging=n_staging,
             transit_rows=sizes.rows(Ls, n_staging),

@@ -79,7 +79,7 @@ class Rebalancer:
     @staticmethod
     def largest_blob(manifest: Any, precision: str, layers: Iterable[int]) -> int:
         """Bytes of the largest ``precision`` blob among ``layers``: one promotion buffer or spare place."""
-        return max(manifest.layers[L].blobs[precision].stride for L in layers)
+        return max(manifest.layers[L].largest(precision).stride for L in layers)
 
     def __init__(self, mgr: Any, cfg: Rebalance, *, threads: int):
         self.mgr, self.cfg = mgr, cfg

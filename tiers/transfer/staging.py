@@ -100,7 +100,7 @@ class Staging:
         self.ring_busy: dict[tuple[int, int], Any] = {}
         if rings:
             for p in pools:
-                size = max(manifest.layers[L].blobs[self.nvme_precision].stride for L in self._layers(p))
+                size = max(manifest.layers[L].largest(self.nvme_precision).stride for L in self._layers(p))
                 for s in p.staging:
                     self.ring[(p.index, s)] = host.view(host.alloc(size, "rings"), size)
         # direct stacks' scratch: their picks are 0..k-1, none resident
@@ -117,8 +117,8 @@ class Staging:
         """Experts one stacked dequantization may take: a stack's copies take consecutive rows, so
         only a pool with a row per staging slot, whose lossy blobs are small, stacks."""
         staging = pool.n_slots - pool.hot
-        lossy = max((self.manifest.layers[L].blobs[p].nbytes for L in self._layers(pool) for p in (self.cpu_precision, self.nvme_precision, self.gpu_precision)
-                     if p in self.manifest.layers[L].blobs and not quant.get_scheme(p).lossless), default=0)
+        lossy = max((e.blobs[enc].nbytes for e in map(self.manifest.layers.get, self._layers(pool)) for p in (self.cpu_precision, self.nvme_precision,
+                     self.gpu_precision) if p in e.blobs for enc in e.encodings[p] if not quant.get_scheme(enc).lossless), default=0)
         return min(staging, self.STACK_EXPERTS) if lossy <= STACK_BYTES and rows >= staging else 1
 
     # -- sources -------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ class Staging:
         if source != "gpu" and self._reads_direct(pool, blob, direct_ok):  # a direct stack reads the host pool
             self._stage_direct(b, pool, slot, blob, src)
         else:
-            self._stage_copy(b, pool, slot, blob, quant.get_scheme(precision), src)
+            self._stage_copy(b, pool, slot, blob, quant.get_scheme(blob.precision), src)  # the expert's own encoding
         if source == "nvme":
             b.rings.append((pool.index, slot))
         self._count(pool, source, src.numel(), t0)

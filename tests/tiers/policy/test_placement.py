@@ -285,9 +285,11 @@ def test_cpu_fraction_is_of_blob_strides_at_cpu_precision(f, manifest):
 def test_transit_is_the_largest_lossy_blob(f, manifest):
     """cpu int8 + nvme bnb8: each staging slot reserves a transit buffer of the larger lossy stride.
 
-    The pack gains bnb8 blob layouts in memory (packing bnb8 for real is slow and placement reads only layouts).
+    The pack gains bnb8 blob layouts in memory, and references to them (packing bnb8 for real is slow
+    and placement reads only layouts and which one each reference uses).
     """
-    layers = {L: dataclasses.replace(e, blobs={**e.blobs, "bnb8": blob_layout(e.layout, "bnb8")})
+    layers = {L: dataclasses.replace(e, blobs={**e.blobs, "bnb8": blob_layout(e.layout, "bnb8")},
+                                     experts=tuple({**x, "bnb8": x["int8"]} for x in e.experts))
               for L, e in manifest.layers.items()}
     m3 = dataclasses.replace(manifest, precisions=manifest.precisions + ("bnb8",), layers=layers)
     bnb8 = {e.blobs["bnb8"].stride for e in layers.values()}
