@@ -18,7 +18,7 @@ import transformers
 from transformers import GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from tiers import hf, report
+from tiers import hf, parallel, report
 from tiers.config import TiersConfig, load_config
 from tiers.graphs import step_graphs
 from tiers.loader.layout import discover_layout, find_experts_modules, unservable
@@ -198,12 +198,28 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     start as the experts it counts most. Without one, the checkpoint's routing prior ranks them if
     it has one (``tools/pack.py --routing``), else round-robin over layers. ``progress``: the
     loading bar and one summary line per tier, on stderr.
+
+    With ``tiers.parallel.experts`` in every rank of a torch.distributed group of more than one
+    rank, each rank serves its block of every MoE layer's experts (``tiers.parallel``), its
+    budgets its own; a load that fails on one rank raises on every rank.
     """
     cfg = load_config(config)
+    ranks = parallel.group_of(cfg.parallel.experts)
+    if ranks is None:
+        return _load(path, cfg, device, verify, progress, streams, routing, None)
+    return parallel.agree(lambda: _load(path, cfg, device, verify, progress, streams, routing, ranks), *ranks)
+
+
+def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: Streams | None, routing,
+          ranks: tuple[int, int] | None) -> PreTrainedModel:
     manifest = read_manifest(path)
+    served = manifest if ranks is None else parallel.local_manifest(manifest, *ranks)  # the experts this process serves
     _check_pack_options(cfg, manifest)
     dev = _resolve_device(device)
-    placement = plan_placement(cfg, manifest, read_routing(routing, manifest) if routing is not None else None)
+    counts = read_routing(routing, manifest) if routing is not None else None
+    if counts is not None and ranks is not None:
+        counts = parallel.local_counts(counts, *ranks)
+    placement = plan_placement(cfg, served, counts)
     carried = verify_files(manifest)
     config = _model_config(manifest, carried)
     _check_top_k(manifest, config)
@@ -212,12 +228,15 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     expert_params = {f"{name}.{t.name}" for layer, (name, _) in modules.items() for t in manifest.layers[layer].layout.tensors}
     _load_dense(model, manifest, expert_params, dev)
     generation = _generation_config(manifest, carried)  # before the manager: a refusal leaves no reader threads or open files
-    manager = Manager(manifest, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
+    manager = Manager(served, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
+    if ranks is not None:
+        manager.parallel = parallel.ExpertParallel(*ranks, manifest.experts_per_layer, dev)
     for layer, (_, mod) in modules.items():
         mod._tiers_binding = hf.Binding(layer, manager)
+        mod.num_experts = served.layers[layer].layout.num_experts  # what the manager's call sees: this process's experts
     hf.register()
     model.set_experts_implementation(hf.IMPLEMENTATION)
-    if cfg.gpu.graphs and dev.type == "cuda":
+    if cfg.gpu.graphs and dev.type == "cuda" and ranks is None:  # a step graph would hold the ranks' exchanges
         step_graphs.install(model, manager)
     hf.follow_decode_switch(model, manager)
     if generation is not None:
@@ -235,9 +254,13 @@ def manager_of(model: torch.nn.Module) -> Manager:
     return m
 
 
-def stats(model: torch.nn.Module) -> TierStats:
-    """Hits and misses per tier, bytes moved per source tier, copy and stall time, residency."""
-    return report.stats(manager_of(model))
+def stats(model: torch.nn.Module, all_ranks: bool = False) -> TierStats:
+    """Hits and misses per tier, bytes moved per source tier, copy and stall time, residency: this
+    process's experts; with ``all_ranks`` (a collective: every rank must call it), summed over the
+    ranks of an expert-parallel model."""
+    manager = manager_of(model)
+    local = report.stats(manager)
+    return parallel.summed(local) if all_ranks and manager.parallel is not None else local
 
 
 def manifest(model: torch.nn.Module) -> dict:

@@ -69,12 +69,18 @@ class Int4:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    experts: bool = False  # expert parallelism over torch.distributed's default group (tiers.parallel)
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     gpu: GpuTier = field(default_factory=GpuTier)
     cpu: CpuTier = field(default_factory=CpuTier)
     nvme: NvmeTier = field(default_factory=NvmeTier)
     rebalance: Rebalance = field(default_factory=Rebalance)
     int4: Int4 = field(default_factory=Int4)
+    parallel: Parallel = field(default_factory=Parallel)
 
     def pack_options(self) -> dict[str, dict]:
         """What pack passes each precision's encoder (``loader.pack.pack``'s ``options``)."""
@@ -148,6 +154,7 @@ KEYS = {
     "nvme": ("precision",),
     "rebalance": ("every_tokens", "window", "max_moves"),
     "int4": ("group",),
+    "parallel": ("experts",),
 }
 
 
@@ -155,7 +162,7 @@ def parse_config(doc: Any) -> TiersConfig:
     """A parsed YAML document (dict) -> TiersConfig."""
     top = _check_keys(doc, "config", {"tiers"})
     tiers = _check_keys(top.get("tiers"), "tiers", set(KEYS))
-    g, c, n, r, i4 = (_check_keys(tiers.get(t), f"tiers.{t}", set(KEYS[t])) for t in KEYS)
+    g, c, n, r, i4, par = (_check_keys(tiers.get(t), f"tiers.{t}", set(KEYS[t])) for t in KEYS)
     d = TiersConfig()
     slots = g.get("staging_slots", d.gpu.staging_slots)
     if slots != "auto" and (isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 1024):
@@ -173,7 +180,11 @@ def parse_config(doc: Any) -> TiersConfig:
             f"{show(gpu.size.fraction)} + {show(cpu.size.fraction)} = {show(gpu.size.fraction + cpu.size.fraction)}"
         )
     group = _int_in(i4, "tiers.int4", "group", 64, 2, 4096) if "group" in i4 else None
-    return TiersConfig(gpu, cpu, nvme, _rebalance(r), Int4(group))
+    parallel = Parallel(_flag(par, "tiers.parallel", "experts", d.parallel.experts))
+    if parallel.experts and _rebalance(r).every_tokens:
+        raise ValueError("tiers.rebalance.every_tokens: the rebalancer does not run under tiers.parallel.experts yet; "
+                         "leave one of the two out")
+    return TiersConfig(gpu, cpu, nvme, _rebalance(r), Int4(group), parallel)
 
 
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:

@@ -73,6 +73,7 @@ class Manager:
         self.manifest, self.cfg, self.placement, self.device = manifest, cfg, placement, device
         self.streams = streams or Streams(device)
         self.phase = Phase()
+        self.parallel = None  # a tiers.parallel.ExpertParallel, set by tiers.load under expert parallelism
         self.batched_decode = device.type != "cpu"  # transformers switches grouped_mm to batched_mm for decode, except on the CPU
         self.stats_ = StatsCollector()
         rebalancing = cfg.rebalance.every_tokens > 0 and len(placement.hot) < len(manifest.keys)
@@ -233,7 +234,14 @@ class Manager:
 
     def serve(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
               top_k_weights: torch.Tensor) -> torch.Tensor:
-        """One layer call: its facts, the decision, the path (see ``tiers.paths.dispatch``)."""
+        """One layer call; under expert parallelism, through the ranks owning its experts (``tiers.parallel``)."""
+        if self.parallel is not None:
+            return self.parallel.serve(self.serve_local, module, layer, hidden_states, top_k_index, top_k_weights)
+        return self.serve_local(module, layer, hidden_states, top_k_index, top_k_weights)
+
+    def serve_local(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+        """One layer call over this manager's experts: its facts, the decision, the path (see ``tiers.paths.dispatch``)."""
         T, k = top_k_index.shape
         phase = self.phase
         if phase.decoding and not phase.in_step and layer == self.first_layer:
