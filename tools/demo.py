@@ -1,6 +1,7 @@
 """tiers-demo: pack a MoE, load it through three tiers, generate text, and check it against the untiered model.
 
     python tools/demo.py [--model DIR] [--workdir DIR] [--device cuda|cpu] [--tokens 24] [--no-check]
+    torchrun --nproc-per-node N tools/demo.py --parallel [...]
 
 Without --model, the model is a small byte-level Mixtral-style MoE (vocabulary 256: token ids are
 the UTF-8 bytes of the text) with random weights, built from an embedded config (no download), so
@@ -14,6 +15,11 @@ greedy tokens must equal those of the untiered model (the checkpoint loaded by t
 from_pretrained, with its default experts implementation), or the demo exits with status 1. The
 INT8 run is compared too, as a measure, not a promise. Files go to a temporary directory,
 removed at the end, unless --workdir names one to keep.
+
+--parallel runs it across the processes torchrun starts (one a GPU, NCCL; or on CPUs, gloo),
+with ``tiers.parallel.experts``: each process serves its block of every layer's experts from
+its own three tiers. The first process writes and packs the checkpoint and prints; every process
+generates, and the demo fails unless all of them return the same tokens.
 """
 import os
 import sys
@@ -55,6 +61,9 @@ tiers:
   cpu:  {fraction: 0.25, precision: bf16}
   nvme: {precision: bf16}
 """
+PARALLEL_YAML = """\
+  parallel: {experts: true}          # each process serves its block of every layer's experts
+"""
 PROMPT = "Experts live in three tiers:"
 
 
@@ -67,7 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=24, help="tokens to generate")
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the untiered model (which loads "
                     "the whole model on the device, and a second Tiers model)")
+    ap.add_argument("--parallel", action="store_true", help="expert parallelism across the processes torchrun starts")
     args = ap.parse_args(argv)
+    if args.parallel:
+        return _parallel(args)
     if args.model and not (Path(args.model) / "config.json").is_file():
         ap.error(f"--model {args.model!r}: no config.json there (expected a save_pretrained directory)")
 
@@ -87,34 +99,84 @@ def main(argv: list[str] | None = None) -> int:
             print(f"removed {work}")
 
 
-def _run(args: argparse.Namespace, work: Path) -> int:
+def _parallel(args: argparse.Namespace) -> int:
+    """The demo in each process torchrun started: the first one's directory and output, every one's tokens."""
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        print("tiers-demo: error: --parallel runs under torchrun: torchrun --nproc-per-node N tools/demo.py --parallel", file=sys.stderr)
+        return 2
+    gpu = args.device != "cpu" and torch.cuda.is_available()
+    if gpu:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(args.device)
+    from datetime import timedelta
+
+    dist.init_process_group("nccl" if gpu else "gloo", timeout=timedelta(minutes=10))  # a process that fails stops the rest in time
+    try:
+        if dist.get_rank() != 0:
+            sys.stdout = open(os.devnull, "w")  # one process speaks
+        where = [args.workdir or (tempfile.mkdtemp(prefix="tiers-demo-") if dist.get_rank() == 0 else None)]
+        dist.broadcast_object_list(where)
+        args.workdir = where[0]
+        return _in_group(args, dist)
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_group(args: argparse.Namespace, dist) -> int:
+    """The demo in one of several processes: the first packs, every one loads and generates."""
+    work = Path(args.workdir)
+    try:
+        code = _run(args, work, dist)
+    except (ValueError, OSError, RuntimeError) as e:
+        print(f"tiers-demo: error: {e}", file=sys.stderr)
+        code = 2
+    dist.barrier()
+    if dist.get_rank() == 0 and "tiers-demo-" in work.name:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"removed {work}")
+    return code
+
+
+def _run(args: argparse.Namespace, work: Path, dist=None) -> int:
     from transformers import AutoConfig
 
     import tiers
     from tiers.loader.pack import pack
 
+    first = dist is None or dist.get_rank() == 0
     if args.model:
         src = Path(args.model)
         print(f"1. the checkpoint {src}")
-    else:
+    elif first:
         src = _synthetic(work / "hf")
+    if first:
+        print("2. packing")
+        print(pack(src, work / "packed", precisions=["bf16", "int8"], overwrite=True))
+        (work / "tiers.yaml").write_text(DEMO_YAML + PARALLEL_YAML * (dist is not None))
+    if dist is not None:
+        if first:
+            (work / "tiers-bf16.yaml").write_text(BF16_YAML + PARALLEL_YAML)
+        dist.barrier()  # the pack is whole before any process reads it
+        src = Path(args.model) if args.model else work / "hf"
     encode, decode = _codec(src, AutoConfig.from_pretrained(src).vocab_size)
-    print("2. packing")
-    print(pack(src, work / "packed", precisions=["bf16", "int8"], overwrite=True))
-    (work / "tiers.yaml").write_text(DEMO_YAML)
-    print(f"3. loading through the tiers with {work / 'tiers.yaml'}:\n{DEMO_YAML}")
-    with _tiers_model(work / "packed", work / "tiers.yaml", args.device, progress=True) as model:
+    print(f"3. loading through the tiers with {work / 'tiers.yaml'}:\n{(work / 'tiers.yaml').read_text()}")
+    with _tiers_model(work / "packed", work / "tiers.yaml", args.device, progress=first) as model:
         device = next(model.parameters()).device
         prompt = torch.tensor([encode(PROMPT)], device=device)  # [1, P]
         print(f"4. prompt {PROMPT!r} ({prompt.shape[1]} tokens)")
         t0 = time.perf_counter()
         int8 = _generate(model, prompt, args.tokens)  # [1, P + tokens]
         print(f"   generated {args.tokens} tokens on {device} in {time.perf_counter() - t0:.2f} s: {decode(int8)!r}")
-        print("5. tier stats:")
-        print(tiers.stats(model))
+        print("5. tier stats" + (f" (this process's experts; all {dist.get_world_size()} processes':)" if dist else ":"))
+        print(tiers.stats(model, all_ranks=dist is not None))
+    if dist is not None and not _same_everywhere(int8, dist):
+        return 1
     if args.no_check:
         return 0
-    (work / "tiers-bf16.yaml").write_text(BF16_YAML)
+    if dist is None:
+        (work / "tiers-bf16.yaml").write_text(BF16_YAML)
     with _tiers_model(work / "packed", work / "tiers-bf16.yaml", device, progress=False) as model:
         exact = _generate(model, prompt, args.tokens)
         hits = tiers.stats(model).as_dict()["hits"]
@@ -126,7 +188,16 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     print(f"   tiers, every tier in bf16: {decode(exact)!r}")
     print(f"   matches the untiered model: {_verdict(exact, want, prompt.shape[1])} (bf16 tiers must match token for token)")
     print(f"   the INT8 tiers of step 4 match it: {_verdict(int8, want, prompt.shape[1])} (INT8 is approximate: it may differ)")
-    return 0 if torch.equal(exact, want) else 1
+    return 0 if torch.equal(exact, want) and (dist is None or _same_everywhere(exact, dist)) else 1
+
+
+def _same_everywhere(tokens: torch.Tensor, dist) -> bool:
+    """Whether every process generated ``tokens``; says so."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, tokens.tolist())
+    same = all(t == every[0] for t in every)
+    print(f"   the {len(every)} processes generated the same tokens: {'yes' if same else 'no'}")
+    return same
 
 
 def _verdict(got: torch.Tensor, want: torch.Tensor, p: int) -> str:

@@ -79,3 +79,29 @@ def test_demo_on_a_family_pack_refuses_is_one_line(temp_root, tmp_path, capsys, 
     err = capsys.readouterr().err
     assert err.startswith("tiers-demo: error: qwen3_moe (Qwen3MoeExperts): its experts have no act_fn") and err.count("\n") == 1
     assert list(temp_root.iterdir()) == []
+
+
+def test_demo_runs_across_processes_under_torchrun(tmp_path):
+    """``torchrun --nproc-per-node 2 tools/demo.py --parallel`` on CPUs (gloo): every process's
+    tokens agree, and the bf16 tiers still match the untiered model."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(root / "tools" / "demo.py"),
+                          "--parallel", "--device", "cpu", "--tokens", "6"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    out = run.stdout
+    assert "parallel: {experts: true}" in out and "all 2 processes'" in out
+    assert out.count("the 2 processes generated the same tokens: yes") == 2
+    assert "matches the untiered model: yes" in out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tiers-demo-")] == []
+
+
+def test_demo_parallel_outside_torchrun_says_how(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert demo.main(["--parallel", "--device", "cpu"]) == 2
+    assert "torchrun --nproc-per-node N tools/demo.py --parallel" in capsys.readouterr().err
