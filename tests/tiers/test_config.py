@@ -207,12 +207,13 @@ def test_bad_rebalance_int_names_key_value_and_range(name, data):
 
 _ALLOWED = {
     "config": {"tiers"},
-    "tiers": {"gpu", "cpu", "nvme", "rebalance", "int4"},
+    "tiers": {"gpu", "cpu", "nvme", "rebalance", "int4", "parallel"},
     "tiers.gpu": {"fraction", "budget", "precision", "staging_slots", "graphs"},
     "tiers.cpu": {"fraction", "budget", "precision"},
     "tiers.nvme": {"precision"},
     "tiers.rebalance": {"every_tokens", "window", "max_moves"},
     "tiers.int4": {"group"},
+    "tiers.parallel": {"experts"},
 }
 # Keys the old core read and the new one refuses: A/B switches with a measured winner (now constants),
 # the three graph switches (now ``graphs``), and removed features (host compute, the eager kernels,
@@ -230,12 +231,12 @@ OLD_VALUES = {"cache": "markov", "lfu_decay": 0.9, "compute": "grouped", "prefet
               "direct_io": False, "margin": 0.25, "significance": 3.0, "across_layers": False}
 
 
-def test_the_schema_is_the_thirteen_documented_keys():
-    """At most 15 keys in all (the schema was 34 before the rewrite); exactly the thirteen documented ones,
+def test_the_schema_is_the_fourteen_documented_keys():
+    """At most 15 keys in all (the schema was 34 before the rewrite); exactly the fourteen documented ones,
     and the parser accepts exactly what KEYS lists."""
     assert sum(len(v) for v in KEYS.values()) <= 15
     assert {f"tiers.{t}": set(v) for t, v in KEYS.items()} == {k: v for k, v in _ALLOWED.items() if k.startswith("tiers.")}
-    assert sum(len(v) for v in KEYS.values()) == 13
+    assert sum(len(v) for v in KEYS.values()) == 14
     assert all(len(set(v)) == len(v) for v in KEYS.values())
 
 
@@ -322,7 +323,7 @@ def test_fractions_summing_above_one_rejected(g, c):
         (at("tiers.gpu.fraction", True), "tiers.gpu.fraction: expected a number in [0, 1], got True"),
         (at("tiers.gpu.bogus", 1), "tiers.gpu.bogus: unknown key; allowed: ['budget', 'fraction', 'graphs', 'precision', 'staging_slots']"),
         ({"tierz": {}}, "config.tierz: unknown key; allowed: ['tiers']"),
-        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'int4', 'nvme', 'rebalance']"),
+        (at("tiers.ram", {}), "tiers.ram: unknown key; allowed: ['cpu', 'gpu', 'int4', 'nvme', 'parallel', 'rebalance']"),
         (at("tiers.nvme.fraction", 0.5), "tiers.nvme.fraction: unknown key; allowed: ['precision']"),
         (at("tiers.cpu.compute", True), "tiers.cpu.compute: unknown key; allowed: ['budget', 'fraction', 'precision']"),
         (at("tiers.rebalance.margin", 0.5), "tiers.rebalance.margin: unknown key; allowed: ['every_tokens', 'max_moves', 'window']"),
