@@ -28,16 +28,20 @@ TIERS = {"gpu": {"fraction": 0.34}, "cpu": {"fraction": 0.33, "precision": "bf16
 PARALLEL = {"tiers": {**TIERS, "parallel": {"experts": True}}}
 
 
+CASES = [6, 7, "gpt_oss"]  # experts a layer: 2 and 3 ranks divide 6, neither divides 7 (GPT-OSS: 7, transposed, with biases)
+
+
 @pytest.fixture(scope="module")
-def packs(tmp_path_factory) -> dict[int, Path]:
-    """Qwen3-MoE packs of 6 experts a layer (2 and 3 ranks divide it) and 7 (neither does)."""
+def packs(tmp_path_factory) -> dict:
+    """Qwen3-MoE packs of 6 experts a layer and 7, and a GPT-OSS one of 7."""
     from tiers.loader.pack import pack
 
     out = {}
-    for n in (6, 7):
-        src = save_tiny("qwen3_moe", tmp_path_factory.mktemp(f"hf-ep{n}"), num_experts=n)
-        out[n] = tmp_path_factory.mktemp(f"packed-ep{n}") / "packed"
-        pack(src, out[n], precisions=("bf16",), progress=False)
+    for case in CASES:
+        family, overrides = ("gpt_oss", dict(num_local_experts=7)) if case == "gpt_oss" else ("qwen3_moe", dict(num_experts=case))
+        src = save_tiny(family, tmp_path_factory.mktemp(f"hf-ep{case}"), **overrides)
+        out[case] = tmp_path_factory.mktemp(f"packed-ep{case}") / "packed"
+        pack(src, out[case], precisions=("bf16",), progress=False)
     return out
 
 
@@ -90,16 +94,16 @@ def _check_rank_budgets(results: list[dict], experts: int, layers: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_answer_as_one_process_bit_for_bit(world, packs, tmp_path):
-    cases = [[{"path": str(packs[n]), "config": PARALLEL, "tokens": TOKENS} for n in (6, 7)]] * world
+    cases = [[{"path": str(packs[c]), "config": PARALLEL, "tokens": TOKENS} for c in CASES]] * world
     results = _ranks(world, "gloo", cases, tmp_path)
-    for i, n in enumerate((6, 7)):
-        logits, tokens = _alone(packs[n])
+    for i, case in enumerate(CASES):
+        logits, tokens = _alone(packs[case])
         for r in range(world):
             res = results[r][i]
             assert "error" not in res, res.get("error")
-            assert torch.equal(res["logits"], logits), f"{n} experts, rank {r} of {world}: logits differ from one process's"
-            assert torch.equal(res["tokens"], tokens), f"{n} experts, rank {r} of {world}: greedy tokens differ"
-        _check_rank_budgets([results[r][i] for r in range(world)], n, 3)
+            assert torch.equal(res["logits"], logits), f"{case}, rank {r} of {world}: logits differ from one process's"
+            assert torch.equal(res["tokens"], tokens), f"{case}, rank {r} of {world}: greedy tokens differ"
+        _check_rank_budgets([results[r][i] for r in range(world)], 6 if case == 6 else 7, 3)
 
 
 def test_a_rank_that_fails_to_load_fails_every_rank(packs, tmp_path):
