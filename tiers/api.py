@@ -7,6 +7,7 @@ Every check that can fail for a user's input runs here, before the first forward
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -212,6 +213,8 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
 
 def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: Streams | None, routing,
           ranks: tuple[int, int] | None) -> PreTrainedModel:
+    if ranks is not None:  # no CUDA graphs: a step would hold the exchanges, and a layer call's rows vary with the routing
+        cfg = dataclasses.replace(cfg, gpu=dataclasses.replace(cfg.gpu, graphs=False))
     manifest = read_manifest(path)
     served = manifest if ranks is None else parallel.local_manifest(manifest, *ranks)  # the experts this process serves
     _check_pack_options(cfg, manifest)
@@ -236,7 +239,7 @@ def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: 
         mod.num_experts = served.layers[layer].layout.num_experts  # what the manager's call sees: this process's experts
     hf.register()
     model.set_experts_implementation(hf.IMPLEMENTATION)
-    if cfg.gpu.graphs and dev.type == "cuda" and ranks is None:  # a step graph would hold the ranks' exchanges
+    if cfg.gpu.graphs and dev.type == "cuda":
         step_graphs.install(model, manager)
     hf.follow_decode_switch(model, manager)
     if generation is not None:
