@@ -208,7 +208,8 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     ranks = parallel.group_of(cfg.parallel.experts)
     if ranks is None:
         return _load(path, cfg, device, verify, progress, streams, routing, None)
-    return parallel.agree(lambda: _load(path, cfg, device, verify, progress, streams, routing, ranks), *ranks)
+    return parallel.agree(lambda: _load(path, cfg, device, verify, progress, streams, routing, ranks), *ranks,
+                          signature=lambda model: manager_of(model).parallel.signature)
 
 
 def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: Streams | None, routing,
@@ -233,7 +234,7 @@ def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: 
     generation = _generation_config(manifest, carried)  # before the manager: a refusal leaves no reader threads or open files
     manager = Manager(served, cfg, placement, device=dev, streams=streams, verify=verify, progress=progress)
     if ranks is not None:
-        manager.parallel = parallel.ExpertParallel(*ranks, manifest.experts_per_layer, dev)
+        manager.parallel = parallel.ExpertParallel(*ranks, manifest, dev)
     for layer, (_, mod) in modules.items():
         mod._tiers_binding = hf.Binding(layer, manager)
         mod.num_experts = served.layers[layer].layout.num_experts  # what the manager's call sees: this process's experts

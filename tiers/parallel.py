@@ -53,9 +53,10 @@ def group_of(enabled: bool) -> tuple[int, int] | None:
     return (dist.get_rank(), world) if world > 1 else None
 
 
-def agree(run: Callable[[], T], rank: int, world: int) -> T:
+def agree(run: Callable[[], T], rank: int, world: int, signature: Callable[[T], Any]) -> T:
     """``run()`` on every rank, then one exchange of outcomes: a RuntimeError on every rank when
-    any failed (on a failing rank, chained to its own error), naming each failing rank's error."""
+    any failed (on a failing rank, chained to its own error), naming each failing rank's error,
+    or when the ranks' results differ in ``signature`` (say, two checkpoints)."""
     error: BaseException | None = None
     result = None
     try:
@@ -63,11 +64,14 @@ def agree(run: Callable[[], T], rank: int, world: int) -> T:
     except Exception as e:  # noqa: BLE001 (any failure must reach the other ranks, not leave them waiting)
         error = e
     outcomes: list[Any] = [None] * world
-    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
-    failed = {r: why for r, why in enumerate(outcomes) if why is not None}
+    dist.all_gather_object(outcomes, (f"{type(error).__name__}: {error}", None) if error is not None else (None, signature(result)))
+    failed = {r: why for r, (why, _) in enumerate(outcomes) if why is not None}
     if failed:
         listed = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
         raise RuntimeError(f"tiers.load failed on {len(failed)} of {world} ranks ({listed})") from error
+    if any(sig != outcomes[0][1] for _, sig in outcomes):
+        listed = "; ".join(f"rank {r}: {sig}" for r, (_, sig) in enumerate(outcomes))
+        raise RuntimeError(f"tiers.load: the ranks loaded different models; every rank must load the same checkpoint ({listed})")
     return result
 
 
@@ -95,8 +99,11 @@ def local_counts(counts: dict[int, list], rank: int, world: int) -> dict[int, li
 class ExpertParallel:
     """The layer call of a rank under expert parallelism (module docstring)."""
 
-    def __init__(self, rank: int, world: int, experts_per_layer: dict[int, int], device: torch.device):
+    def __init__(self, rank: int, world: int, manifest: Manifest, device: torch.device):
         self.rank, self.world = rank, world
+        experts_per_layer = manifest.experts_per_layer
+        # what every rank must agree on: the model and its experts
+        self.signature = (manifest.model_type, tuple(experts_per_layer.items()), manifest.precisions)
         self.starts = {L: torch.tensor(shares(n, world), device=device) for L, n in experts_per_layer.items()}
 
     def serve(self, local: Callable[..., torch.Tensor], module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,

@@ -107,14 +107,19 @@ def test_ranks_answer_as_one_process_bit_for_bit(world, packs, tmp_path):
 
 
 def test_a_rank_that_fails_to_load_fails_every_rank(packs, tmp_path):
+    """Rank 1 names a missing pack, then the two ranks load different checkpoints: both ranks raise, twice."""
     missing = tmp_path / "no-such-pack"
-    cases = [[{"path": str(packs[6]), "config": PARALLEL}], [{"path": str(missing), "config": PARALLEL}]]
+    cases = [[{"path": str(packs[6]), "config": PARALLEL}] * 2,
+             [{"path": str(missing), "config": PARALLEL}, {"path": str(packs[7]), "config": PARALLEL}]]
     t0 = time.monotonic()
     results = _ranks(2, "gloo", cases, tmp_path, timeout=120)
     for r in range(2):
         why = results[r][0].get("error", "")
         assert why.startswith("RuntimeError: tiers.load failed on 1 of 2 ranks (rank 1: "), why
         assert "no-such-pack" in why, why
+        why = results[r][1].get("error", "")
+        assert why.startswith("RuntimeError: tiers.load: the ranks loaded different models"), why
+        assert "(0, 6)" in why and "(0, 7)" in why, why
     assert time.monotonic() - t0 < 120
 
 
