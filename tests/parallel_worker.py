@@ -31,7 +31,9 @@ def run_case(case: dict, device: torch.device) -> dict:
     tokens = model.generate(ids, max_new_tokens=case.get("tokens", 6), do_sample=False).cpu()
     mine = tiers.stats(model).as_dict()
     total = tiers.stats(model, all_ranks=True).as_dict()
-    return {"logits": logits, "tokens": tokens, "stats": mine, "all_ranks": total}
+    runtime = tiers.manifest(model)
+    return {"logits": logits, "tokens": tokens, "stats": mine, "all_ranks": total, "parallel": runtime["parallel"],
+            "experts": [(e["layer"], e["expert"]) for e in runtime["experts"]]}
 
 
 def main() -> int:

@@ -105,6 +105,7 @@ class ExpertParallel:
         # what every rank must agree on: the model and its experts
         self.signature = (manifest.model_type, tuple(experts_per_layer.items()), manifest.precisions)
         self.starts = {L: torch.tensor(shares(n, world), device=device) for L, n in experts_per_layer.items()}
+        self.first = {L: shares(n, world)[rank] for L, n in experts_per_layer.items()}  # this rank's expert 0, per layer
 
     def serve(self, local: Callable[..., torch.Tensor], module: torch.nn.Module, layer: int, hidden_states: torch.Tensor,
               top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

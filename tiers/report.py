@@ -105,10 +105,11 @@ def manifest(mgr: Any) -> dict:
     mgr.settle()
     mgr.table.check()
     t = mgr.table
+    first = mgr.parallel.first if mgr.parallel is not None else dict.fromkeys(mgr.manifest.layers, 0)  # experts by the model's ids
     experts = []
     for k, r in sorted(t.items()):
         pool = mgr.pool_of[k.layer].index
-        experts.append({"layer": k.layer, "expert": k.expert, "tier": r.home.value, "hot": r.hot,
+        experts.append({"layer": k.layer, "expert": first[k.layer] + k.expert, "tier": r.home.value, "hot": r.hot,
                         "slot": None if r.slot is None else [pool, r.slot], "precision": _precision(mgr, r.home),
                         "encoding": _encoding(mgr, k, r.home), "bytes": _expert_bytes(mgr, k, r.home), "host_offset": r.host_offset})
     pools = []
@@ -116,7 +117,8 @@ def manifest(mgr: Any) -> dict:
         slots = []
         for s in range(p.n_slots):
             v = t.slot(p.index, s)
-            slots.append({"slot": s, "occupant": None if v.occupant is None else list(v.occupant), "state": v.state.value,
+            slots.append({"slot": s, "occupant": None if v.occupant is None else [v.occupant[0], first[v.occupant[0]] + v.occupant[1]],
+                          "state": v.state.value,
                           "readers": v.readers, "hot": v.hot, "reserved": v.reserved})
         pools.append({"index": p.index, "layers": list(g.layers), "count": p.n_slots, "hot": p.hot, "staging": p.n_slots - p.hot,
                       "dtype": str(p.dtype).removeprefix("torch."), "slot_bytes": p.slot_bytes,
@@ -125,7 +127,8 @@ def manifest(mgr: Any) -> dict:
     step = mgr.steps.report() if mgr.steps is not None else {}
     outside = {"step_graph_kv_cache": step.get("cache_bytes", 0),
                "direct_tables": sum(x.numel() * x.element_size() for x in (mgr.direct._starts, mgr.direct._resident) if x is not None)}
-    return {"device": str(mgr.device), "summary": summary(mgr), "experts": experts, "pools": pools,
+    ranks = {} if mgr.parallel is None else {"parallel": {"rank": mgr.parallel.rank, "world": mgr.parallel.world}}
+    return {"device": str(mgr.device), **ranks, "summary": summary(mgr), "experts": experts, "pools": pools,
             "gpu": {"budget": mgr.placement.gpu_budget, **gpu_bytes(mgr), "outside_budget": outside},
             "host": {"budget": mgr.placement.cpu_budget, **host_layout(mgr)}}
 

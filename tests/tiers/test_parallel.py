@@ -85,6 +85,10 @@ def _check_rank_budgets(results: list[dict], experts: int, layers: int) -> None:
         assert all(s["residency"][t]["experts"] > 0 for t in ("gpu", "cpu", "nvme")), f"rank {r}: a tier holds none of its experts"
     served = sum(res["stats"]["residency"][t]["experts"] for res in results for t in ("gpu", "cpu", "nvme"))
     assert served == experts * layers, "every expert served by exactly one rank"
+    starts = shares(experts, len(results))
+    for r, res in enumerate(results):  # the runtime manifest names experts by the model's ids
+        assert res["parallel"] == {"rank": r, "world": len(results)}
+        assert sorted(res["experts"]) == [(L, e) for L in range(layers) for e in range(starts[r], starts[r + 1])]
     total = results[0]["all_ranks"]
     for key in ("hits", "misses", "bytes_moved"):
         for tier, n in total[key].items():
