@@ -25,6 +25,8 @@ TOKENS = 6
 # every tier in bf16, so that the ranks' answer can equal one process's bit for bit; each rank's
 # share of experts spread over its three tiers
 TIERS = {"gpu": {"fraction": 0.34}, "cpu": {"fraction": 0.33, "precision": "bf16"}, "nvme": {"precision": "bf16"}}
+# every tier INT8 (hot experts kept packed): an expert's values do not depend on which tier holds it
+INT8 = {"gpu": {"fraction": 0.34, "precision": "int8"}, "cpu": {"fraction": 0.33}}
 PARALLEL = {"tiers": {**TIERS, "parallel": {"experts": True}}}
 
 
@@ -41,7 +43,7 @@ def packs(tmp_path_factory) -> dict:
         family, overrides = ("gpt_oss", dict(num_local_experts=7)) if case == "gpt_oss" else ("qwen3_moe", dict(num_experts=case))
         src = save_tiny(family, tmp_path_factory.mktemp(f"hf-ep{case}"), **overrides)
         out[case] = tmp_path_factory.mktemp(f"packed-ep{case}") / "packed"
-        pack(src, out[case], precisions=("bf16",), progress=False)
+        pack(src, out[case], precisions=("bf16", "int8"), progress=False)
     return out
 
 
@@ -68,21 +70,21 @@ def _ranks(world: int, backend: str, cases: list[list[dict]], tmp: Path, timeout
     return [torch.load(o) for o in outs]
 
 
-def _alone(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+def _alone(path: Path, tiers_: dict = TIERS) -> tuple[torch.Tensor, torch.Tensor]:
     """One process's prefill logits and greedy tokens, the same tiers without parallelism."""
-    model = tiers.load(path, {"tiers": TIERS}, device="cpu", progress=False)
+    model = tiers.load(path, {"tiers": tiers_}, device="cpu", progress=False)
     ids = torch.tensor(PROMPT)
     with torch.no_grad():
         logits = model(ids).logits.float()
     return logits, model.generate(ids, max_new_tokens=TOKENS, do_sample=False)
 
 
-def _check_rank_budgets(results: list[dict], experts: int, layers: int) -> None:
+def _check_rank_budgets(results: list[dict], experts: int, layers: int, spread: bool = True) -> None:
     for r, res in enumerate(results):
         s = res["stats"]
         assert s["residency"]["gpu"]["bytes"] <= s["memory"]["gpu_budget"], f"rank {r} over its gpu budget"
         assert s["residency"]["cpu"]["bytes"] <= s["memory"]["cpu_budget"], f"rank {r} over its cpu budget"
-        assert all(s["residency"][t]["experts"] > 0 for t in ("gpu", "cpu", "nvme")), f"rank {r}: a tier holds none of its experts"
+        assert not spread or all(s["residency"][t]["experts"] > 0 for t in ("gpu", "cpu", "nvme")), f"rank {r}: a tier holds none"
     served = sum(res["stats"]["residency"][t]["experts"] for res in results for t in ("gpu", "cpu", "nvme"))
     assert served == experts * layers, "every expert served by exactly one rank"
     starts = shares(experts, len(results))
@@ -98,16 +100,17 @@ def _check_rank_budgets(results: list[dict], experts: int, layers: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_answer_as_one_process_bit_for_bit(world, packs, tmp_path):
-    cases = [[{"path": str(packs[c]), "config": PARALLEL, "tokens": TOKENS} for c in CASES]] * world
+    runs = [(c, TIERS) for c in CASES] + [(7, INT8)]
+    cases = [[{"path": str(packs[c]), "config": {"tiers": {**t, "parallel": {"experts": True}}}, "tokens": TOKENS} for c, t in runs]] * world
     results = _ranks(world, "gloo", cases, tmp_path)
-    for i, case in enumerate(CASES):
-        logits, tokens = _alone(packs[case])
+    for i, (case, tiers_) in enumerate(runs):
+        logits, tokens = _alone(packs[case], tiers_)
         for r in range(world):
             res = results[r][i]
             assert "error" not in res, res.get("error")
-            assert torch.equal(res["logits"], logits), f"{case}, rank {r} of {world}: logits differ from one process's"
-            assert torch.equal(res["tokens"], tokens), f"{case}, rank {r} of {world}: greedy tokens differ"
-        _check_rank_budgets([results[r][i] for r in range(world)], 6 if case == 6 else 7, 3)
+            assert torch.equal(res["logits"], logits), f"{case} {tiers_}, rank {r} of {world}: logits differ from one process's"
+            assert torch.equal(res["tokens"], tokens), f"{case} {tiers_}, rank {r} of {world}: greedy tokens differ"
+        _check_rank_budgets([results[r][i] for r in range(world)], 6 if case == 6 else 7, 3, spread=tiers_ is TIERS)
 
 
 def test_a_rank_that_fails_to_load_fails_every_rank(packs, tmp_path):
