@@ -169,7 +169,7 @@ def _run(args: argparse.Namespace, work: Path, dist=None) -> int:
         t0 = time.perf_counter()
         int8 = _generate(model, prompt, args.tokens)  # [1, P + tokens]
         print(f"   generated {args.tokens} tokens on {device} in {time.perf_counter() - t0:.2f} s: {decode(int8)!r}")
-        print("5. tier stats" + (f" (this process's experts; all {dist.get_world_size()} processes':)" if dist else ":"))
+        print("5. tier stats" + (f", summed over the {dist.get_world_size()} processes:" if dist else ":"))
         print(tiers.stats(model, all_ranks=dist is not None))
     if dist is not None and not _same_everywhere(int8, dist):
         return 1
