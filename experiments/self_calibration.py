@@ -1,6 +1,6 @@
 """Without a calibration text, does text the model writes itself calibrate int4's GPTQ as well as the repository's docs?
 
-    python experiments/self_calibration.py [--windows 64,256] [--out experiments/results/self_calibration.json]
+    python experiments/self_calibration.py [--windows 64,256] [--groups 64,32] [--out experiments/results/self_calibration.json]
 
 On the CPU. Samples windows of 512 bytes from ../shared/models/qwen3-moe-bytes-6m itself (bf16,
 transformers' generate, temperature 1, from a newline, 64 sequences a seed), saves them as token
@@ -8,7 +8,8 @@ ids (``.npy``: the model writes bytes that are not always UTF-8) and packs bf16 
 the first N windows of them (``pack(..., calibration=, calibration_windows=N)``), for each N of
 ``--windows``; then tiers-quality's figures over 16 windows of 512 bytes of eval.txt, as
 ``experiments/int4_quality.py`` takes them, beside that script's docs-calibrated arm on the same
-windows. The recipe for a user is the same: generate with the model (through Tiers or
+windows, and the plain fit's, for each int4 group size of ``--groups`` (``tiers.int4.group``). The
+recipe for a user is the same: generate with the model (through Tiers or
 transformers), save the ids, pass them to ``tiers-pack --calibration ids.npy``.
 """
 import os
@@ -48,6 +49,7 @@ def sample(windows: int) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--windows", default="64,256", help="comma-separated calibration window counts")
+    ap.add_argument("--groups", default="64", help="comma-separated int4 group sizes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if (why := trained_model_missing()) is not None:
@@ -63,13 +65,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text = Path(tmp) / "self.npy"
         np.save(text, sample(max(counts)).reshape(-1))
-        arms = {"docs": (int4_quality.calibration_file(Path(tmp)), 64), **{f"self_{n}": (text, n) for n in counts}}
-        for arm, (path, n) in arms.items():
-            pack(TRAINED_MODEL, Path(tmp) / arm, precisions=["bf16", "int4"], progress=False, calibration=path,
-                 calibration_windows=n, calibration_length=LENGTH)
-            row = {"windows": n, **int4_quality.int4_figures(Path(tmp) / arm, ids)}
-            result["arms"][arm] = row
-            print(arm, json.dumps(row), flush=True)
+        arms = {"plain": (None, None), "docs": (int4_quality.calibration_file(Path(tmp)), 64), **{f"self_{n}": (text, n) for n in counts}}
+        for group in (int(g) for g in args.groups.split(",")):
+            for arm, (path, n) in arms.items():
+                name = f"{arm}_group{group}"
+                pack(TRAINED_MODEL, Path(tmp) / name, precisions=["bf16", "int4"], progress=False, calibration=path,
+                     calibration_windows=n or 64, calibration_length=LENGTH, options={"int4": {"group": group}})
+                row = {"group": group, "windows": n, **int4_quality.int4_figures(Path(tmp) / name, ids)}
+                result["arms"][name] = row
+                print(name, json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
