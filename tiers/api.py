@@ -209,7 +209,7 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
     if ranks is None:
         return _load(path, cfg, device, verify, progress, streams, routing, None)
     return parallel.agree(lambda: _load(path, cfg, device, verify, progress, streams, routing, ranks), *ranks,
-                          signature=lambda model: manager_of(model).parallel.signature)
+                          signature=lambda model: manager_of(model).parallel.signature, close=lambda model: manager_of(model).close())
 
 
 def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: Streams | None, routing,

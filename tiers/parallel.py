@@ -53,10 +53,11 @@ def group_of(enabled: bool) -> tuple[int, int] | None:
     return (dist.get_rank(), world) if world > 1 else None
 
 
-def agree(run: Callable[[], T], rank: int, world: int, signature: Callable[[T], Any]) -> T:
+def agree(run: Callable[[], T], rank: int, world: int, signature: Callable[[T], Any], close: Callable[[T], None]) -> T:
     """``run()`` on every rank, then one exchange of outcomes: a RuntimeError on every rank when
     any failed (on a failing rank, chained to its own error), naming each failing rank's error,
-    or when the ranks' results differ in ``signature`` (say, two checkpoints)."""
+    or when the ranks' results differ in ``signature`` (say, two checkpoints); a rank that
+    succeeded ``close``s its result before it raises."""
     error: BaseException | None = None
     result = None
     try:
@@ -66,6 +67,8 @@ def agree(run: Callable[[], T], rank: int, world: int, signature: Callable[[T], 
     outcomes: list[Any] = [None] * world
     dist.all_gather_object(outcomes, (f"{type(error).__name__}: {error}", None) if error is not None else (None, signature(result)))
     failed = {r: why for r, (why, _) in enumerate(outcomes) if why is not None}
+    if (failed or any(sig != outcomes[0][1] for _, sig in outcomes)) and error is None:
+        close(result)
     if failed:
         listed = "; ".join(f"rank {r}: {why}" for r, why in failed.items())
         raise RuntimeError(f"tiers.load failed on {len(failed)} of {world} ranks ({listed})") from error
