@@ -180,11 +180,11 @@ def parse_config(doc: Any) -> TiersConfig:
             f"{show(gpu.size.fraction)} + {show(cpu.size.fraction)} = {show(gpu.size.fraction + cpu.size.fraction)}"
         )
     group = _int_in(i4, "tiers.int4", "group", 64, 2, 4096) if "group" in i4 else None
-    parallel = Parallel(_flag(par, "tiers.parallel", "experts", d.parallel.experts))
-    if parallel.experts and _rebalance(r).every_tokens:
+    rebalance, parallel = _rebalance(r), Parallel(_flag(par, "tiers.parallel", "experts", d.parallel.experts))
+    if parallel.experts and rebalance.every_tokens:
         raise ValueError("tiers.rebalance.every_tokens: the rebalancer does not run under tiers.parallel.experts yet; "
                          "leave one of the two out")
-    return TiersConfig(gpu, cpu, nvme, _rebalance(r), Int4(group), parallel)
+    return TiersConfig(gpu, cpu, nvme, rebalance, Int4(group), parallel)
 
 
 def _int_in(d: dict, key: str, name: str, default: int, lo: int, hi: int) -> int:
