@@ -202,7 +202,8 @@ def load(path: str | Path, config: str | Path | dict | TiersConfig | None = None
 
     With ``tiers.parallel.experts`` in every rank of a torch.distributed group of more than one
     rank, each rank serves its block of every MoE layer's experts (``tiers.parallel``), its
-    budgets its own; a load that fails on one rank raises on every rank.
+    budgets its own, on ``cuda:LOCAL_RANK`` unless ``device`` says otherwise; a load that fails on
+    one rank raises on every rank.
     """
     cfg = load_config(config)
     ranks = parallel.group_of(cfg.parallel.experts)
@@ -216,6 +217,7 @@ def _load(path, cfg: TiersConfig, device, verify: str, progress: bool, streams: 
           ranks: tuple[int, int] | None) -> PreTrainedModel:
     if ranks is not None:  # no CUDA graphs: a step would hold the exchanges, and a layer call's rows vary with the routing
         cfg = dataclasses.replace(cfg, gpu=dataclasses.replace(cfg.gpu, graphs=False))
+        device = parallel.default_device() if device is None else device
     manifest = read_manifest(path)
     served = manifest if ranks is None else parallel.local_manifest(manifest, *ranks)  # the experts this process serves
     _check_pack_options(cfg, manifest)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -51,6 +52,15 @@ def group_of(enabled: bool) -> tuple[int, int] | None:
                          "torch.distributed.init_process_group() first (torchrun sets its environment), or leave the key out")
     world = dist.get_world_size()
     return (dist.get_rank(), world) if world > 1 else None
+
+
+def default_device() -> torch.device | None:
+    """Where a rank loads when ``device`` is not given: its own GPU, ``cuda:LOCAL_RANK`` (torchrun
+    sets it), not the one every rank would see as current; None without CUDA (the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    local = os.environ.get("LOCAL_RANK")
+    return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
 
 
 def agree(run: Callable[[], T], rank: int, world: int, signature: Callable[[T], Any], close: Callable[[T], None]) -> T:

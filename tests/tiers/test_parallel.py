@@ -172,3 +172,16 @@ def test_parallel_config_is_checked_at_load(packs):
         tiers.load(packs[6], {"tiers": {"parallel": {"experts": "yes"}}}, device="cpu", progress=False)
     with pytest.raises(ValueError, match=r"tiers\.rebalance\.every_tokens: the rebalancer does not run under tiers\.parallel"):
         tiers.load(packs[6], {"tiers": {"parallel": {"experts": True}, "rebalance": {"every_tokens": 8}}}, device="cpu", progress=False)
+
+
+def test_a_rank_loads_on_its_own_gpu_by_default(monkeypatch):
+    from tiers import parallel
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert parallel.default_device() is None  # the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert parallel.default_device() == torch.device("cuda", 3)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert parallel.default_device() == torch.device("cuda", 0)
