@@ -7,8 +7,8 @@ from 0 (``local_manifest``), and places them in its own three tiers under its ow
 dense weights are every rank's. A layer call (``ExpertParallel.serve``) sends each (token, pick)
 row to the rank owning its expert with ``all_to_all_single``, the owner computes the expert's
 output for each row it received in one call of its own manager (each row as a pick of weight
-one, so the output is the expert's, unweighted), and the rows come back the same way. The caller
-then weights and sums them per token exactly as transformers' experts forward does, so the
+one, so the output is the expert's, unweighted), and the rows come back the same way. The calling
+rank then weights and sums them per token exactly as transformers' experts forward does, so the
 output is bit-identical to one process's. NCCL carries the exchange on GPUs, gloo on CPUs.
 
 ``agree`` makes a load fail on every rank when it fails on one: each rank reports its outcome
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from tiers.loader.packed import Manifest
 from tiers.stats import TierStats
 
-T = TypeVar("T")
+Loaded = TypeVar("Loaded")
 
 
 def shares(num_experts: int, world: int) -> list[int]:
@@ -63,7 +63,8 @@ def default_device() -> torch.device | None:
     return torch.device("cuda", int(local) if local is not None else torch.cuda.current_device())
 
 
-def agree(run: Callable[[], T], rank: int, world: int, signature: Callable[[T], Any], close: Callable[[T], None]) -> T:
+def agree(run: Callable[[], Loaded], rank: int, world: int, signature: Callable[[Loaded], Any],
+          close: Callable[[Loaded], None]) -> Loaded:
     """``run()`` on every rank, then one exchange of outcomes: a RuntimeError on every rank when
     any failed (on a failing rank, chained to its own error), naming each failing rank's error,
     or when the ranks' results differ in ``signature`` (say, two checkpoints); a rank that
