@@ -155,9 +155,9 @@ def _run(args: argparse.Namespace, work: Path, dist=None) -> int:
         print("2. packing")
         print(pack(src, work / "packed", precisions=["bf16", "int8"], overwrite=True))
         (work / "tiers.yaml").write_text(DEMO_YAML + PARALLEL_YAML * (dist is not None))
+        if not args.no_check:
+            (work / "tiers-bf16.yaml").write_text(BF16_YAML + PARALLEL_YAML * (dist is not None))
     if dist is not None:
-        if first:
-            (work / "tiers-bf16.yaml").write_text(BF16_YAML + PARALLEL_YAML)
         dist.barrier()  # the pack is whole before any process reads it
         src = Path(args.model) if args.model else work / "hf"
     encode, decode = _codec(src, AutoConfig.from_pretrained(src).vocab_size)
@@ -175,8 +175,6 @@ def _run(args: argparse.Namespace, work: Path, dist=None) -> int:
         return 1
     if args.no_check:
         return 0
-    if dist is None:
-        (work / "tiers-bf16.yaml").write_text(BF16_YAML)
     with _tiers_model(work / "packed", work / "tiers-bf16.yaml", device, progress=False) as model:
         exact = _generate(model, prompt, args.tokens)
         hits = tiers.stats(model).as_dict()["hits"]
