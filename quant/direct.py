@@ -313,6 +313,11 @@ def _kernel(tensors):
     return direct_kernel
 
 
+def four_bit_fields(buf: torch.Tensor, start: int, t: DirectTensor) -> dict[str, torch.Tensor]:
+    """The fields of 4-bit tensor ``t`` of the blob at byte ``start`` of ``buf``, as views, on ``t``'s slab's device."""
+    return {name: buf[start + o : start + o + math.prod(s) * d.itemsize].view(d).view(s).to(t.out.device) for name, d, s, o in t.fields}
+
+
 def _decode_into(src: torch.Tensor, dev: torch.Tensor | None, start: int, slot: int, tensors: tuple[DirectTensor, ...]) -> None:
     """The reference's decode of the expert at byte ``start`` of ``src`` (negative: ``-1 - start``
     of ``dev``) into ``slot`` of every slab."""
@@ -326,9 +331,7 @@ def _decode_into(src: torch.Tensor, dev: torch.Tensor | None, start: int, slot: 
         n = math.prod(shape)
         at = start + t.data
         if t.kind:  # the scheme's own dequantization of views of the blob's fields
-            data = {name: src[start + o : start + o + math.prod(s) * d.itemsize].view(d).view(s).to(t.out.device)
-                    for name, d, s, o in t.fields}
-            get_scheme(t.kind).dequantize(QuantizedTensor(t.kind, shape, data), out=t.out[slot])
+            get_scheme(t.kind).dequantize(QuantizedTensor(t.kind, shape, four_bit_fields(src, start, t)), out=t.out[slot])
         elif t.scale is None:
             t.out[slot].copy_(src[at : at + 2 * n].view(torch.bfloat16).view(shape).to(t.out.device))
         else:

@@ -15,7 +15,7 @@ import tiers
 from tiers.api import manager_of
 from tiers.loader.pack import pack
 
-from conftest import save_tiny
+from conftest import devices, save_tiny
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,58 @@ def test_direct_decode_reads_them_from_the_blob_pool(packed):
         assert torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits)), name
         assert s.direct["decode_calls"] > 0, name
     assert out["every", True][1].bytes_moved == {"cpu": 0, "nvme": 0} and out["every", True][1].misses["gpu"] == 0
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fused_products_read_int4_hot_experts_in_place(packed, device, monkeypatch):
+    """With every expert int4 hot, a decode call multiplies by the blobs in place (``quant.fused4``:
+    the Triton kernel on CUDA, its torch reference on the CPU): the same tokens as through the
+    slots, logits within a bf16 GEMM's rounding of them (the products' sums may run in another
+    order; on the CPU, torch 2.13, they were equal), every pick a GPU hit, and no slot read."""
+    from tiers.quant import fused4
+
+    calls = []
+    real = fused4.linear
+    monkeypatch.setattr(fused4, "linear", lambda *a: calls.append(a[-1].rows) or real(*a))
+    ids = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(0)).to(device)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    every = {"tiers": {"gpu": {"fraction": 1.0, "precision": "int4", "staging_slots": 8}, "cpu": {"precision": "int4"},
+                       "nvme": {"precision": "int4"}}}
+    out = {}
+    for fused in (False, True):
+        model = tiers.load(packed, every, device=device, progress=False)
+        mgr = manager_of(model)
+        mgr.batched_decode = True
+        mgr.staging.direct_reads = mgr.direct.enabled = True
+        mgr.direct.fused = fused
+        for slab in mgr.pools[0].slabs.values():
+            slab.fill_(float("nan"))  # a slot the fused path read would poison the logits
+        out[fused] = model.generate(ids, **kw), tiers.stats(model)
+    (a, _), (b, s) = out[False], out[True]
+    layers = len(manager_of(model).manifest.layers)
+    steps = 2 * layers * 5  # each of the 5 decode steps' layers: two fused products (on CUDA a step graph replays them)
+    assert len(calls) == steps if device == "cpu" else 0 < len(calls) <= steps
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        assert torch.isfinite(y).all() and (x - y).abs().max() <= 0.02 * x.abs().max(), (x - y).abs().max()
+    assert s.bytes_moved == {"cpu": 0, "nvme": 0} and s.misses["gpu"] == 0 and s.direct["decode_calls"] == layers * 5
+
+
+def test_auto_staging_leaves_room_for_every_quantized_expert(packed):
+    """``staging_slots: auto`` with hot experts quantized: fewer slots where that is what lets every
+    expert into the GPU's blob pool; where even one slot leaves no room, the slots auto takes anyway."""
+    from tiers.policy.placement import _Sizes
+
+    mgr = manager_of(tiers.load(packed, _cfg("int4", 10**9), progress=False))
+    manifest = mgr.manifest
+    every = sum(manifest.blob(k, "int4").stride for k in manifest.keys)
+    for budget, slots, all_hot in ((None, 2, True), (every // 2, None, False)):
+        cfg = _cfg("int4", 0)
+        cfg["tiers"]["gpu"]["staging_slots"] = "auto"
+        sizes = _Sizes(mgr.cfg, manifest)  # the reserve of n slots does not depend on the budget
+        plain = sizes.auto_staging(10**12)  # what auto takes with room to spare
+        assert plain > 2
+        cfg["tiers"]["gpu"]["budget"] = budget if budget is not None else every + sizes.reserve(slots)
+        p = manager_of(tiers.load(packed, cfg, progress=False)).placement
+        assert [g.staging for g in p.groups] == [slots if all_hot else sizes.auto_staging(cfg["tiers"]["gpu"]["budget"])]
+        assert (len(p.gpu_pool) == len(manifest.keys)) == all_hot

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from tiers.policy.placement import STACK_BYTES
-from tiers.quant import direct
+from tiers.quant import direct, fused4
 from tiers.store.pools import SlotPool
 
 
@@ -53,6 +53,7 @@ class _Layer:
     counts: torch.Tensor  # int64 [4]: the pool's resident, decoded, cached and quantized hot decoded picks (shared by its layers)
     usage: torch.Tensor | None  # int64 [E]: picks per expert, for the rebalancer (None without one)
     step_counts: torch.Tensor  # int64 [4]: the same, for calls inside a step graph (whose reads are not timed)
+    fused: tuple[direct.DirectTensor, direct.DirectTensor] | None = None  # (up, down): every expert int4 hot, read by ``quant.fused4``
 
 
 @dataclass
@@ -67,6 +68,7 @@ class DirectPath:
     def __init__(self, mgr: Any):
         self.mgr = mgr
         self.enabled = mgr.staging.direct_reads  # a GPU with Triton and a pinned pool (tests switch it on for the CPU reference)
+        self.fused = direct.kernel_available()  # layers of int4 hot experts alone multiply them in place (tests: the CPU reference)
         self.layers: dict[int, _Layer] | None = None  # built at the first decode stage
         self.version = -1  # the table's homes_version the layers were built at
         self._built_at: dict[int, int] = {}  # layer -> the table's layer version its tables were built at
@@ -75,6 +77,7 @@ class DirectPath:
         self._host: tuple[torch.Tensor, torch.Tensor] | None = None  # their pinned host copies
         self._copied: Any | None = None  # the last upload's event
         self.reserved: dict[int, _Reserved] = {}  # pool -> its reserved slots, while a decode stage runs
+        self.staged = False  # a decode stage runs with tables built (``begin_stage``)
         self._caches: dict[tuple[int, tuple[int, ...]], direct.SlotCache] = {}  # kept across stages: the graphs keep them
         self._counts: dict[int, torch.Tensor] = {}  # pool -> int64 [8]: resident, decoded, cached, quantized hot decoded picks; the same inside step graphs
         self._miss_bytes: dict[int, int] = {}  # pool -> transfer-form bytes a decoded pick reads
@@ -126,8 +129,9 @@ class DirectPath:
             counts = self._counts.setdefault(pool.index, torch.zeros(8, dtype=torch.int64, device=mgr.device))
             self._miss_bytes[pool.index] = blob.nbytes
             usage = None if self.usage is None else self.usage[row, :n]
-            out[layer] = _Layer(self._starts[row, :n], self._resident[row, :n], mgr.staging.direct_tensors(pool, blob), pool,
-                                counts[:4], usage, counts[4:])
+            tensors = mgr.staging.direct_tensors(pool, blob)
+            out[layer] = _Layer(self._starts[row, :n], self._resident[row, :n], tensors, pool, counts[:4], usage, counts[4:],
+                                _fused(tensors, blob) if pooled.all() else None)
         if changed:
             self._upload()
         self.version = t.homes_version
@@ -186,6 +190,7 @@ class DirectPath:
             self.layers = self._build()
         if not self.layers:
             return
+        self.staged = True
         mgr.slots.drain()  # read-aheads hold slots until they land
         compute, grid = mgr.streams.current(), mgr.table.grid
         skip = {p for p, mean in self.miss_bytes_per_call.items() if mean >= self.MISS_BYTES and self._miss_bytes.get(p, 0) > STACK_BYTES}
@@ -209,6 +214,7 @@ class DirectPath:
     def end_stage(self) -> None:
         """Give the reserved slots back, and keep each pool's mean miss bytes per decode layer call
         for the next stage's choice (one sync, for the direct calls' device counters)."""
+        self.staged = False
         for pool in self.mgr.pools:
             self._release(pool)
         if self._stage_start:
@@ -239,8 +245,10 @@ class DirectPath:
     def qualifies(self, layer: int, picks: int) -> bool:
         """Whether a call of ``picks`` picks at ``layer`` runs direct now: its layer qualifies and
         its pool reserved slots for at least that many misses."""
-        if not self.reserved or self.layers is None or layer not in self.layers:
+        if not self.staged or self.layers is None or layer not in self.layers:
             return False
+        if self.layers[layer].fused is not None and self.fused:  # no slot needed
+            return True
         pool = self.mgr.pool_of[layer].index
         return pool in self.reserved and picks <= len(self.mgr.table.reserved_slots(pool, "direct"))
 
@@ -268,6 +276,8 @@ class DirectPath:
         d = self.layers[layer]
         pool = d.pool
         px = mgr.proxy(module, pool)
+        if d.fused is not None and self.fused:
+            return self._run_fused(px, layer, d, hidden_states, top_k_index, top_k_weights)
         if mgr.phase.in_step:
             ids = self._fetch(d, layer, top_k_index, d.step_counts)
             return batched_mm_experts_forward(px, hidden_states, ids, top_k_weights)
@@ -285,6 +295,28 @@ class DirectPath:
         def step(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return batched_mm_experts_forward(px, h, ids, w)
         return mgr.decode_graphs.run(("direct", layer), (ids, *pool.slabs.values()), step, (hidden_states, top_k_weights))
+
+    def _run_fused(self, px: Any, layer: int, d: _Layer, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' batched_mm forward, each projection a fused int4 product over the blob pool
+        (``quant.fused4``): no slot is written; every pick counts as a quantized hot read."""
+        mgr, up, down = self.mgr, *d.fused
+        dev = mgr.gpu_pool.slab
+        counts = d.step_counts if mgr.phase.in_step else d.counts
+
+        def step(h: torch.Tensor, index: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            picks, k = index.reshape(-1), index.shape[-1]
+            counts[1::2] += picks.numel()  # decoded, and of those from the blob pool: GPU hits (``served``)
+            y = fused4.linear(h, k, picks, d.starts, dev, up)  # [T*k, 2I] or [T*k, I]
+            y = fused4.linear(px._apply_gate(y) if px.has_gate else px.act_fn(y), 1, picks, d.starts, dev, down)  # [T*k, H]
+            if px.has_post_expert_norm:
+                y = px.post_expert_norm(y)
+            y = y * w.reshape(-1).unsqueeze(-1)
+            return y.view(h.shape[0], k, -1).sum(dim=1).to(h.dtype)  # summed as transformers sums it
+        if mgr.phase.in_step:
+            return step(hidden_states, top_k_index, top_k_weights)
+        self.counted(layer)
+        return mgr.decode_graphs.run(("fused", layer), (dev, d.starts, counts), step, (hidden_states, top_k_index, top_k_weights))
 
     def counted(self, layer: int) -> None:
         """The host's part of a direct call at ``layer``: its counts (its picks are counted on the device)."""
@@ -346,6 +378,16 @@ class DirectPath:
         for p, (staged, counts) in list(self._stage_start.items()):  # a stage running: its start moves with the counters
             if counts is not None:
                 counts.zero_()
+
+
+def _fused(tensors: direct.DirectExpert, blob: Any) -> tuple[direct.DirectTensor, direct.DirectTensor] | None:
+    """A layer's (up, down) tensors where ``quant.fused4`` multiplies by them in place: two weights, no
+    biases, each of which it takes (int4 stored ``[out, in]``, a power-of-two group); else None."""
+    by = {name: t for (name, _), t in zip(blob.shapes, tensors)}
+    up = by.get("gate_up_proj", by.get("up_proj"))
+    if len(by) != 2 or up is None or "down_proj" not in by or not all(fused4.qualifies(t) for t in by.values()):
+        return None
+    return up, by["down_proj"]
 
 
 def _tables(t: Any) -> tuple[np.ndarray, np.ndarray]:

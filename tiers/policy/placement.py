@@ -203,7 +203,10 @@ class _Sizes:
     def auto_staging(self, budget: int) -> int:
         """``staging_slots: auto``: 2 x top-k (a decode call's misses fit half of them), or up to 4 x
         so that half of them carries AUTO_PART_BYTES up, at least AUTO_RING_PER_TOP_K x top-k where
-        every pool keeps a transit ring; in at most half the budget."""
+        every pool keeps a transit ring; in at most half the budget. Where hot experts stay quantized
+        (``gpu.precision`` not bf16) and fewer slots (one at least) leave room for every expert in
+        the GPU's blob pool, that many: then no decode call misses, and int4 layers need no slot
+        to decode (``quant.fused4``)."""
         k = top_k(self.manifest)
         moved = min(self.transit(Ls) or self.slot_bytes[Ls[0]] for Ls in self.groups.values())  # an expert's bytes up
         n = max(AUTO_STAGING_PER_TOP_K * k, min(2 * AUTO_STAGING_PER_TOP_K * k, 2 * -(-AUTO_PART_BYTES // moved)))
@@ -211,6 +214,14 @@ class _Sizes:
             n = max(n, AUTO_RING_PER_TOP_K * k)
         while n > 1 and self.reserve(n) > budget // 2:
             n -= 1
+        gp = self.cfg.gpu.precision
+        if gp != "bf16":
+            every = sum(self.manifest.blob(key, gp).stride for key in self.manifest.keys)
+            fewer = n
+            while fewer > 1 and self.reserve(fewer) + every > budget:
+                fewer -= 1
+            if self.reserve(fewer) + every <= budget:
+                n = fewer
         return n
 
 

@@ -1,0 +1,63 @@
+"""Fused int4 products: each pick's input row times its expert's int4 weight, read in place from the GPU's blob pool.
+
+Owns ``linear`` (the Triton kernel ``quant.fused4_kernel`` on CUDA, else ``linear_reference``)
+and ``qualifies``, which tensors it takes.
+
+Why: decoding a quantized hot expert into a bf16 slot before its product writes the slot and
+reads it again, four times its int4 bytes each way, to multiply a handful of rows. A decode
+step's products are bound by the bytes they read, and a fused product reads the int4 bytes
+once. A Mixtral-8x7B expert is 96 MB of int4 (bf16: 352 MB); decoding one into a slot took
+0.30-0.34 ms on the H200 (``experiments/results/direct4_rate-spread.json``) against 0.12 ms for
+the bf16 product itself (``LIMITS.md``).
+
+What it computes: ``out[j] = x[j // per] @ W[picks[j]]^T``, where ``W[e]`` is the bf16 weight
+expert ``e``'s blob decodes to (``quant.int4``'s decoding, bit for bit), products and sums in
+fp32, rounded once to bf16: a bf16 GEMM's arithmetic, the order of its sums apart. Taken: int4
+weights stored ``[out, in]`` (not ``codes_t``) whose group is a power of two up to ``BK`` inputs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .direct import DirectTensor, four_bit_fields, kernel_available
+
+BK = 512  # inputs a program of the kernel reads per step (``quant.fused4_kernel.BK``)
+
+
+def qualifies(t: DirectTensor) -> bool:
+    """Whether ``linear`` takes tensor ``t``: int4, stored ``[out, in]``, a power-of-two group that
+    divides ``BK``, and under 2**31 codes (the kernel's offsets are 32-bit)."""
+    g = t.group
+    return t.kind == "int4" and not t.transposed and 0 < g <= BK and g & (g - 1) == 0 and t.rows * t.cols_n < 2**31
+
+
+def linear(x: torch.Tensor, per: int, picks: torch.Tensor, starts: torch.Tensor, dev: torch.Tensor, t: DirectTensor) -> torch.Tensor:
+    """bf16 ``[m, rows]``: pick ``j`` (of ``m``, int64 ``picks``) multiplies row ``j // per`` of
+    ``x`` (bf16 ``[n, cols]``) by its expert's weight ``t``, read from ``dev`` at ``-1 - starts[e]``."""
+    if not qualifies(t):
+        raise ValueError(f"fused int4: a {t.kind or 'bf16/int8'} tensor of {t.rows} x {t.cols_n} with group {t.group}; "
+                         f"it takes int4 stored [out, in] with a power-of-two group up to {BK}")
+    x = x.contiguous()
+    out = torch.empty((picks.numel(), t.rows), dtype=torch.bfloat16, device=x.device)
+    if x.device.type == "cuda" and kernel_available():
+        from .fused4_kernel import launch
+
+        launch(x, per, picks, starts, dev, t, out)
+        return out
+    return linear_reference(x, per, picks, starts, dev, t, out)
+
+
+def linear_reference(x: torch.Tensor, per: int, picks: torch.Tensor, starts: torch.Tensor, dev: torch.Tensor, t: DirectTensor,
+                     out: torch.Tensor) -> torch.Tensor:
+    """``linear`` with torch operations, one pick at a time (brings the picks to the host): each
+    weight decoded by ``quant.int4`` itself, then an fp32 product rounded to bf16."""
+    from . import get_scheme
+    from .core import QuantizedTensor
+
+    st = starts.tolist()
+    shape = (t.rows, t.cols_n)
+    for j, e in enumerate(picks.tolist()):
+        w = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
+        get_scheme("int4").dequantize(QuantizedTensor("int4", shape, four_bit_fields(dev, -1 - st[e], t)), out=w)
+        out[j] = (x[j // per].float() @ w.float().T).to(torch.bfloat16)
+    return out
