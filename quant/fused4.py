@@ -10,10 +10,12 @@ once. A Mixtral-8x7B expert is 96 MB of int4 (bf16: 352 MB); decoding one into a
 0.30-0.34 ms on the H200 (``experiments/results/direct4_rate-spread.json``) against 0.12 ms for
 the bf16 product itself (``LIMITS.md``).
 
-What it computes: ``out[j] = x[j // per] @ W[picks[j]]^T``, where ``W[e]`` is the bf16 weight
-expert ``e``'s blob decodes to (``quant.int4``'s decoding, bit for bit), products and sums in
-fp32, rounded once to bf16: a bf16 GEMM's arithmetic, the order of its sums apart. Taken: int4
-weights stored ``[out, in]`` (not ``codes_t``) whose group is a power of two up to ``BK`` inputs.
+What it computes: ``out[j] = x[j // per] @ W[picks[j]]^T``, where ``W[e]`` is expert ``e``'s int4
+weight as ``quant.int4`` decodes it in fp32 (the slots hold it rounded to bf16), products and
+sums in fp32 (each group's scale and zero point factored out of its sum, ``quant.fused4_kernel``),
+rounded once to bf16. Against the slot path, that is one rounding fewer, per weight, and another
+order of the sums. Taken: int4 weights stored ``[out, in]`` (not ``codes_t``) whose group is a
+power of two up to ``BK`` inputs.
 """
 from __future__ import annotations
 
@@ -50,14 +52,11 @@ def linear(x: torch.Tensor, per: int, picks: torch.Tensor, starts: torch.Tensor,
 def linear_reference(x: torch.Tensor, per: int, picks: torch.Tensor, starts: torch.Tensor, dev: torch.Tensor, t: DirectTensor,
                      out: torch.Tensor) -> torch.Tensor:
     """``linear`` with torch operations, one pick at a time (brings the picks to the host): each
-    weight decoded by ``quant.int4`` itself, then an fp32 product rounded to bf16."""
-    from . import get_scheme
-    from .core import QuantizedTensor
+    weight decoded in fp32 by ``quant.int4`` itself, then an fp32 product rounded to bf16."""
+    from .int4 import decode
 
     st = starts.tolist()
-    shape = (t.rows, t.cols_n)
     for j, e in enumerate(picks.tolist()):
-        w = torch.empty(shape, dtype=torch.bfloat16, device=x.device)
-        get_scheme("int4").dequantize(QuantizedTensor("int4", shape, four_bit_fields(dev, -1 - st[e], t)), out=w)
-        out[j] = (x[j // per].float() @ w.float().T).to(torch.bfloat16)
+        f = four_bit_fields(dev, -1 - st[e], t)
+        out[j] = (x[j // per].float() @ decode(f["codes"], f["scale"], f["zero"]).T).to(torch.bfloat16)
     return out

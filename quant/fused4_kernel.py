@@ -1,10 +1,10 @@
 """The Triton kernel behind ``quant.fused4.linear`` (imported only where Triton is present).
 
 Grid: (picks, output rows / ``BN``). Program (j, n) reads rows ``n * BN ...`` of pick ``j``'s int4
-weight in place in the GPU's blob pool, ``BK`` inputs at a time (codes, then each group's scale
-and zero point once), decodes them exactly as ``quant.int4`` does (fp32, rounded once to bf16),
-multiplies them by the pick's input row and sums in fp32; the row sums are rounded once to bf16.
-Fused multiply-adds are off, as in ``quant.direct4_kernel``, so the weights round as torch's.
+weight in place in the GPU's blob pool, ``BK`` inputs at a time. A group's scale and zero point
+are factored out of its sum: ``sum((q - z) * s * x) = s * (sum(q * x) - z * sum(x))``, so each
+code costs a conversion and a multiply-add, and each group's statistics are read once; all in
+fp32, the row sums rounded once to bf16.
 """
 from __future__ import annotations
 
@@ -26,22 +26,25 @@ def _linear4(x, picks, starts, dev, out, codes, scale, zero, R, C, per,
     rm = r < R
     st = tl.load(starts + tl.load(picks + j))
     base = tl.multiple_of(dev + (-1 - st), 16)  # blobs start 4 KiB apart in the blob pool
-    xr = x + (j // per) * C
+    pairs = (x + (j // per) * C).to(tl.pointer_type(tl.int32))  # the input row as pairs of bf16 (C is even)
     half = C // 2
-    ng = C // G
-    acc = tl.zeros([BN, BK], dtype=tl.float32)
+    NG: tl.constexpr = BK // G
+    acc = tl.zeros([BN, NG], dtype=tl.float32)
     for k in range(0, C, BK):
-        gi = k // G + tl.arange(0, BK // G)  # [BK/G] groups of this step
-        gm = rm[:, None] & (gi[None, :] < ng)
-        s = tl.load((base + scale).to(tl.pointer_type(tl.float16)) + r[:, None] * ng + gi[None, :], mask=gm, other=0.0)
-        z = tl.load((base + zero) + r[:, None] * ng + gi[None, :], mask=gm, other=0).to(tl.float32) / 16.0
-        b = k // 2 + tl.arange(0, BK // 2)
-        byte = tl.load((base + codes) + r[:, None] * half + b[None, :], mask=rm[:, None] & (b[None, :] < half), other=0)
-        q = tl.reshape(tl.join(byte & 15, byte >> 4), (BN, BK // G, G))  # element 2b in the low nibble
-        w = ((q.to(tl.float32) - z[:, :, None]) * s.to(tl.float32)[:, :, None]).to(tl.bfloat16)
-        c = k + tl.arange(0, BK)
-        xv = tl.load(xr + c, mask=c < C, other=0.0).to(tl.float32)
-        acc += tl.reshape(w, (BN, BK)).to(tl.float32) * xv[None, :]
+        b = k // 2 + tl.arange(0, BK // 2)  # [BK/2] bytes of a row: codes 2b (low nibble) and 2b + 1
+        bm = b < half
+        pair = tl.load(pairs + b, mask=bm, other=0)
+        xe = (pair << 16).to(tl.float32, bitcast=True)  # x[2b]: a bf16's bits are an fp32's high half
+        xo = (pair & -65536).to(tl.float32, bitcast=True)  # x[2b + 1]
+        byte = tl.load((base + codes) + r[:, None] * half + b[None, :], mask=rm[:, None] & bm[None, :], other=0)
+        p = (byte & 15).to(tl.float32) * xe[None, :] + (byte >> 4).to(tl.float32) * xo[None, :]  # [BN, BK/2]
+        qx = tl.sum(tl.reshape(p, (BN, NG, G // 2)), axis=2)  # [BN, NG]: each group's sum of code x input
+        xs = tl.sum(tl.reshape(xe + xo, (NG, G // 2)), axis=1)  # [NG]: each group's sum of inputs
+        gi = k // G + tl.arange(0, NG)
+        gm = rm[:, None] & (gi[None, :] < C // G)
+        s = tl.load((base + scale).to(tl.pointer_type(tl.float16)) + r[:, None] * (C // G) + gi[None, :], mask=gm, other=0.0)
+        z = tl.load((base + zero) + r[:, None] * (C // G) + gi[None, :], mask=gm, other=0).to(tl.float32) / 16.0
+        acc += s.to(tl.float32) * (qx - z * xs[None, :])  # sum over a group of (q - z) * s * x
     tl.store(out + j * R + r, tl.sum(acc, axis=1).to(tl.bfloat16), mask=rm)
 
 
