@@ -38,10 +38,10 @@ def main() -> int:
     device = "cpu" if args.smoke else "cuda"
     sync = (lambda: None) if args.smoke else torch.cuda.synchronize
     work = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    model = build("mixtral", shape, torch.device("cpu"))
+    model = build("mixtral", shape, torch.device(device))
     model.save_pretrained(work / "hf")
     del model
-    pack(work / "hf", work / "packed", precisions=("bf16", "int4"), progress=False)
+    pack(work / "hf", work / "packed", precisions=("bf16", "int4"), progress=False, device=device)
     arms = {"bf16_all_hot": {"tiers": {"gpu": {"fraction": 1.0}, "cpu": {"precision": "bf16"}, "nvme": {"precision": "bf16"}}},
             "int4_hot_30": {"tiers": {"gpu": {"fraction": 0.3, "precision": "int4"}, "cpu": {"precision": "int4"},
                                       "nvme": {"precision": "int4"}}}}
@@ -62,9 +62,31 @@ def main() -> int:
             sync()
         rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()), key=lambda r: -r[1])[:14]
         layers = {L: (d.fused is not None) for L, d in (mgr.direct.layers or {}).items()}
+        alone = {}
+        for L, d in (mgr.direct.layers or {}).items():  # the fused products alone, on the model's own tensors
+            if d.fused is None or args.smoke:
+                continue
+            from tiers.quant import fused4
+
+            up, down = d.fused
+            picks = torch.tensor([0, 1], device=device)
+            x = torch.randn(1, up.cols_n, device=device).to(torch.bfloat16)
+            h = torch.randn(2, down.cols_n, device=device).to(torch.bfloat16)
+            for name, call in (("up", lambda: fused4.linear(x, 2, picks, d.starts, mgr.gpu_pool.slab, up)),
+                               ("down", lambda: fused4.linear(h, 1, picks, d.starts, mgr.gpu_pool.slab, down))):
+                call()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(20):
+                    call()
+                b.record()
+                b.synchronize()
+                alone[f"{L}.{name}"] = a.elapsed_time(b) / 20
+            alone[f"{L}.starts"] = d.starts.tolist()
+            break
         g = mgr.placement.groups[0]
         arm = {"ms_per_token_with_prefill": ms, "kernels_ms_count": rows, "direct_layers_fused": layers,
-               "staging_slots": g.staging, "gpu_pool": len(mgr.placement.gpu_pool), "stats_direct": tiers.stats(m).direct}
+               "staging_slots": g.staging, "fused_alone_ms": alone, "gpu_pool": len(mgr.placement.gpu_pool), "stats_direct": tiers.stats(m).direct}
         result["arms"][name] = arm
         print(name, json.dumps(arm, default=str), flush=True)
         del m, mgr
