@@ -26,11 +26,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--fraction", type=float, default=0.3, help="the int4-hot arm's GPU budget, of the bf16 expert bytes")
     ap.add_argument("--out", default="experiments/results/fused4_profile.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the script's own check")
     args = ap.parse_args()
+    import traceback
+
     import tiers
     from tiers.api import manager_of
+    from tiers.graphs import graph_cache
+
+    graph_cache.log.warning = lambda msg, *a: (print("CAPTURE FAILED:", msg % a), traceback.print_exc())
     from tiers.loader.pack import pack
     from tiers.tools.measure import SHAPES, TINY, build
 
@@ -43,7 +49,7 @@ def main() -> int:
     del model
     pack(work / "hf", work / "packed", precisions=("bf16", "int4"), progress=False, device=device)
     arms = {"bf16_all_hot": {"tiers": {"gpu": {"fraction": 1.0}, "cpu": {"precision": "bf16"}, "nvme": {"precision": "bf16"}}},
-            "int4_hot_30": {"tiers": {"gpu": {"fraction": 0.3, "precision": "int4"}, "cpu": {"precision": "int4"},
+            "int4_hot": {"tiers": {"gpu": {"fraction": args.fraction, "precision": "int4"}, "cpu": {"precision": "int4"},
                                       "nvme": {"precision": "int4"}}}}
     prompt = torch.randint(3, 100, (1, 16), device=device)
     kw = dict(max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
@@ -60,7 +66,7 @@ def main() -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU if args.smoke else torch.profiler.ProfilerActivity.CUDA]) as prof:
             m.generate(prompt, **kw)
             sync()
-        rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()), key=lambda r: -r[1])[:14]
+        rows = sorted(((e.key[:90], e.device_time_total / 1e3, e.count) for e in prof.key_averages()), key=lambda r: -r[1])[:14]
         layers = {L: (d.fused is not None) for L, d in (mgr.direct.layers or {}).items()}
         alone = {}
         for L, d in (mgr.direct.layers or {}).items():  # the fused products alone, on the model's own tensors
@@ -70,8 +76,8 @@ def main() -> int:
 
             up, down = d.fused
             picks = torch.tensor([0, 1], device=device)
-            x = torch.randn(1, up.cols_n, device=device).to(torch.bfloat16)
-            h = torch.randn(2, down.cols_n, device=device).to(torch.bfloat16)
+            x = torch.randn(1, up.cols_n).to(device, torch.bfloat16)
+            h = torch.randn(2, down.cols_n).to(device, torch.bfloat16)
             for name, call in (("up", lambda: fused4.linear(x, 2, picks, d.starts, mgr.gpu_pool.slab, up)),
                                ("down", lambda: fused4.linear(h, 1, picks, d.starts, mgr.gpu_pool.slab, down))):
                 call()
@@ -86,7 +92,7 @@ def main() -> int:
             break
         g = mgr.placement.groups[0]
         arm = {"ms_per_token_with_prefill": ms, "kernels_ms_count": rows, "direct_layers_fused": layers,
-               "staging_slots": g.staging, "fused_alone_ms": alone, "gpu_pool": len(mgr.placement.gpu_pool), "stats_direct": tiers.stats(m).direct}
+               "staging_slots": g.staging, "fused_alone_ms": alone, "gpu_pool": len(mgr.placement.gpu_pool), "stats_direct": tiers.stats(m).direct, "step_graph_cache": mgr.steps.graphs.counts() if mgr.steps is not None else None}
         result["arms"][name] = arm
         print(name, json.dumps(arm, default=str), flush=True)
         del m, mgr

@@ -23,7 +23,7 @@ import torch
 
 from .direct import DirectTensor, four_bit_fields, kernel_available
 
-BK = 512  # inputs a program of the kernel reads per step (``quant.fused4_kernel.BK``)
+BK = 1024  # inputs a program of the kernel reads per step (``quant.fused4_kernel``)
 
 
 def qualifies(t: DirectTensor) -> bool:

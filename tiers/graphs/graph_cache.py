@@ -145,7 +145,16 @@ class GraphCache:
         self._new_graph = graph
         self._entries: dict[Hashable, _Entry] = {}
         self.captured = self.replayed = self.eager_calls = self.failed = 0
+        self._retired: list[Any] = []  # dropped graphs, kept until a new capture holds the pool (``_retire``)
         self.inline = False  # inside a step graph (``tiers.graphs.step_graphs``): every call runs its step, which that graph captures
+
+    def _retire(self, entry: _Entry | None) -> None:
+        """Keep a dropped entry's graph until the next capture into the shared pool succeeds: a
+        pool whose last graph is freed is gone, and capturing into it again failed an internal
+        assertion of torch's caching allocator (torch 2.11 on the H200: a Mixtral decode step
+        recaptured with new bound tensors then ran eagerly, at several times the graph's time)."""
+        if entry is not None and entry.graph is not None:
+            self._retired.append(entry.graph)
 
     @contextlib.contextmanager
     def inlined(self):
@@ -170,10 +179,12 @@ class GraphCache:
             # warmed up with these shapes already: capture with the new tensors at once (a step
             # whose bound tensors are an earlier graph's outputs sees them change once, when that
             # graph is captured); tensors that change again before a second replay warm up again
+            self._retire(entry)
             self._entries[key] = entry = _Entry(sig)
         elif entry is None or entry.bound != sig:
             if len(self._entries) >= self.MAX_GRAPHS:
-                self._entries.pop(next(iter(self._entries)))
+                self._retire(self._entries.pop(next(iter(self._entries))))
+            self._retire(entry)
             self._entries[key] = _Entry(sig)
             self.eager_calls += 1
             return step(*inputs)  # the warm-up: compiles, loads and initializes outside any capture
@@ -194,6 +205,7 @@ class GraphCache:
                 return step(*inputs)
             entry.graph, entry.inputs, entry.kept = graph, static, [t for t in bound if t is not None]
             self.captured += 1
+            self._retired.clear()  # the new graph holds the pool now
         else:
             for dst, x in zip(entry.inputs, inputs):
                 dst.copy_(x)

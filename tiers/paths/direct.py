@@ -219,7 +219,8 @@ class DirectPath:
             self._release(pool)
         if self._stage_start:
             pools = list(self._stage_start)
-            decoded = torch.stack([(self._counts[p] - self._stage_start[p][1]).view(2, 4)[:, 1].sum() for p in pools]).tolist()
+            deltas = [(self._counts[p] - self._stage_start[p][1]).view(2, 4) for p in pools]
+            decoded = torch.stack([(c[:, 1] - c[:, 3]).sum() for c in deltas]).tolist()  # less the blob pool's: no bytes moved
             for p, n in zip(pools, decoded):
                 staged = self.mgr.staging.staged_bytes[p] - self._stage_start[p][0]
                 calls = self._stage_calls.get(p, 0)

@@ -86,6 +86,40 @@ def test_new_bound_tensors_recapture():
     assert g.run("k", (holder["t"],), _affine(holder["t"]), (x,)).tolist() == [8.0, 8.0] and g.captured == 2
 
 
+class PooledGraph(HostGraph):
+    """A HostGraph in a shared pool as torch's caching allocator keeps one: a capture into a pool
+    that has held graphs needs one of them alive (else torch failed an internal assertion)."""
+
+    def __init__(self, pool: Counter):
+        super().__init__()
+        self.pool, self.captured = pool, False
+
+    def capture(self, step, inputs):
+        assert self.pool["alive"] > 0 or not self.pool["ever"], "captured into a pool whose graphs are all freed"
+        super().capture(step, inputs)
+        self.captured = True
+        self.pool["alive"] += 1
+        self.pool["ever"] += 1
+
+    def __del__(self):
+        if self.captured:
+            self.pool["alive"] -= 1
+
+
+def test_a_recapture_finds_the_shared_pool_alive():
+    """A key's graph replaced by one with new bound tensors (and keys evicted from a full cache):
+    each capture into the shared pool happens while a graph of it is still alive."""
+    pool = Counter()
+    holder = {"t": torch.tensor([2.0, 0.0])}
+    g = GraphCache(torch.device("cpu"), True, graph=lambda: PooledGraph(pool))
+    x = torch.ones(2)
+    for value in (2.0, 5.0, 7.0):
+        holder["t"] = torch.tensor([value, 0.0])
+        for _ in range(3):
+            assert g.run("k", (holder["t"],), _affine(holder["t"]), (x,)).tolist() == [value, value]
+    assert g.captured == 3 and pool["alive"] >= 1
+
+
 def test_tensors_that_change_on_every_call_capture_every_other_call():
     """A bound tensor new on every call: a capture, then a warm-up, in turn (not a capture per
     call), every result that of its own tensor."""
