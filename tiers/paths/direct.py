@@ -17,7 +17,9 @@ in a precision ``quant.direct`` decodes: the warm ones' and the quantized hot on
 the one its ``DirectExpert`` decodes, and so must their blobs' encodings (a layer where pack kept
 some of them at a higher precision, ``--min-sqnr``, runs host-routed). A quantized hot expert is
 decoded from the GPU's blob pool (``quant.direct``'s second source: ``resident`` -2 and a
-negative start), which moves no bytes between tiers and counts as a GPU hit. Where the
+negative start), which moves no bytes between tiers and counts as a GPU hit; a layer whose experts
+are all int4 hot decodes into no slot at all: ``quant.fused4`` multiplies by the blobs in place
+(``_run_fused``), and such a layer runs direct whatever slots are reserved. Where the
 host-routed path would copy a pool's experts with the copy engine (above ``STACK_BYTES``), a
 stage runs direct only while the pool's last decode stage missed fewer than ``MISS_BYTES`` per
 layer call: read by the SMs, Mixtral-8x7B's 168 MiB experts cost more device time than copied
