@@ -12,7 +12,9 @@ and 1/16-step zero point (4.75 at 32, 4.375 at 64).
 
 Each arm packs ../shared/models/qwen3-moe-bytes-6m in bf16 + int4 and takes tiers-quality's
 figures over eval.txt's 16 windows of 512 bytes (``experiments/int4_quality.py``'s). The
-``base_*`` arms are today's ``quant.int4`` untouched. A compact arm swaps int4's encoder for the
+``base_*`` arms are ``quant.int4`` untouched: the former statistics (fp16 scale, zero point in
+1/16 steps) when the experiment was run, the compact format itself since (commit after bff9f39;
+the results' ``shipped_g32_*`` rows). A compact arm swaps int4's encoder for the
 run: it stores the decoded bf16 values themselves (a ``data`` field, the path int4 keeps biases
 in), which are exactly what the compact fields decode to, so the figures are the format's while
 the loader is unchanged. Its fit: ``row_scale`` is the row's largest round-to-nearest group scale
@@ -251,7 +253,7 @@ def main() -> None:
     if args.out and args.out.is_file():  # arms run before are kept (a run can be split), with their commands
         before = json.loads(args.out.read_text())
         result["arms"] = before["arms"]
-        result["commands"] = before.get("commands", [before["command"]]) + [result.pop("command")]
+        result["commands"] = (before["commands"] if "commands" in before else [before["command"]]) + [result.pop("command")]
     cache = args.cache or Path(f"/tmp/int4_compact_self64_seed{args.seed}.npy")
     text = self_text(cache, args.seed) if "self" in args.calibrations.split(",") else None
     with tempfile.TemporaryDirectory() as tmp:
