@@ -3,7 +3,8 @@
     python experiments/int4_quality.py [--windows 16] [--length 512] [--out FILE]
 
 Packs ../shared/models/qwen3-moe-bytes-6m (beside the repository) twice into a temporary folder, in
-bf16 and int4 (group 64): once with int4's plain fit (no calibration data), once calibrated
+bf16 and int4 (its default group, ``quant.int4.GROUP``: 64 until int4 took compact statistics at 32):
+once with int4's plain fit (no calibration data), once calibrated
 (``pack(..., calibration=)``: GPTQ) on the repository's README.md and docs/*.md concatenated, 64
 windows of 512 bytes (never eval.txt, the held-out text the figures are taken over). Then
 tiers-quality's figures (``tiers.tools.quality``) over ``--windows`` windows of ``--length`` bytes of
@@ -68,11 +69,11 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from tiers.loader.pack import pack
-    from tiers.quant import gptq
+    from tiers.quant import gptq, int4
 
     ids = eval_windows((TRAINED_MODEL / "eval.txt").read_bytes(), args.windows, args.length)
     result = {"command": "python experiments/int4_quality.py " + " ".join(sys.argv[1:]),
-              "model": "../shared/models/qwen3-moe-bytes-6m", "group": 64,
+              "model": "../shared/models/qwen3-moe-bytes-6m", "group": int4.GROUP,
               "windows": {"count": args.windows, "length": args.length, "predictions": args.windows * (args.length - 1),
                           "text": "eval.txt, evenly spaced from its first byte to its last"},
               "calibration": "README.md + docs/*.md concatenated, 64 windows of 512 bytes", "device": "cpu", "threads": args.threads,

@@ -152,7 +152,8 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
         except (TypeError, ValueError) as e:
             raise p.fail(f"{field}.blobs.{prec}.options", show(e)) from None
         if doc != bl.to_json():
-            raise p.fail(f"{field}.blobs.{prec}", "differs from this build's blob layout for the layer's layout; re-pack")
+            raise p.fail(f"{field}.blobs.{prec}", f"differs from this build's {prec} blob layout for the layer's layout"
+                                                  f"{_field_difference(doc, bl.to_json())}; re-pack")
         blobs[prec] = bl
     experts = p.get(entry, "experts", list, field)
     if len(experts) != layout.num_experts:  # before anything is sized by num_experts (10**30 of them)
@@ -169,6 +170,24 @@ def parse_layer(p: Parser, entry: Any, i: int, precisions: tuple[str, ...], expe
             if enc is not None and {**ref, "encoding": None} != refs[j][enc]:
                 raise p.fail(f"{where}.{prec}", f"encoding {enc!r}, but it is not the expert's {enc} blob {show(refs[j][enc])}")
     return layer, module, layout, blobs, tuple(refs)
+
+
+def _field_difference(stored: Any, built: dict) -> str:
+    """`` (field 'scale' of 'w': float16 [4, 2] in the pack, uint8 [4, 2] in this build)``: the first of
+    this build's fields the pack stores otherwise (a pack made before a precision's format changed),
+    or "" where the fields agree or the stored ones are not readable."""
+    try:
+        have = {(f["tensor"], f["field"]): (f["dtype"], f["shape"]) for f in stored["fields"]}
+    except (KeyError, TypeError):
+        return ""
+    for f in built["fields"]:
+        key, want = (f["tensor"], f["field"]), (f["dtype"], f["shape"])
+        if key not in have:
+            return f" (no field {key[1]!r} of {key[0]!r} in the pack)"
+        if have[key] != want:
+            return (f" (field {key[1]!r} of {key[0]!r}: {show(have[key][0])} {show(have[key][1])} in the pack, "
+                    f"{show(want[0])} {show(want[1])} in this build)")
+    return ""
 
 
 def _ref(p: Parser, e: dict, prec: str, field: str, blobs: dict, expert_files: dict) -> dict:

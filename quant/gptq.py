@@ -4,11 +4,13 @@
 to int4 codes column by column, in order, and spreads each column's rounding error over the
 columns not yet rounded, weighted by the inverse of ``hessian`` ``[C, C]`` (``X^T X`` of the
 inputs ``X`` ``[n, C]`` the weight sees), so that the error of the outputs ``W X^T``, not of the
-weights, is what is kept small. Each group's scale and zero point are fitted, at the group's
-first column, by int4's own fit (``quant.int4.group_params``) on the group's weights as the
-errors of the earlier columns left them. The result is exactly the fields ``quant.int4`` stores:
-codes 0..15, fp16 scale and uint8 zero point (1/16 steps) per group of ``group`` inputs, decoding
-to ``(q - zero / 16) * scale``.
+weights, is what is kept small. Each row's scale (``quant.int4.row_scales``) is taken from the
+weights as given, before any column is rounded; each group's scale code and zero point are
+fitted, at the group's first column, by int4's own fit (``quant.int4.group_params``) on the
+group's weights as the errors of the earlier columns left them, within that row scale. The
+result is exactly what ``quant.int4`` stores: codes 0..15, and per group of ``group`` inputs a
+scale code ``k`` and an integer zero point ``z``, per row an fp32 ``row_scale``, decoding to
+``(q - z) * row_scale * SCALE_MAP[k]``.
 
 Standard GPTQ: an input no calibration row reached (zero on the diagonal) gets 1 there and its
 weights are set to 0; ``damp`` times the diagonal's mean is added to the diagonal; the upper
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .int4 import ZERO_STEPS, group_params, round_codes
+from .int4 import group_params, group_scale, round_codes, row_scales
 
 BLOCK = 128  # columns per lazy update (rounded down to whole groups, at least one)
 DAMP_RETRIES = 4  # a Hessian Cholesky refuses even damped gets 10 times the damping, this many times
@@ -46,21 +48,23 @@ def _inverse_factor(hessian: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def quantize(weight: torch.Tensor, hessian: torch.Tensor, group: int, damp: float = 0.01
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes (float, 0..15) ``[R, C]``, scales fp16 ``[R, C/G]`` and zero points uint8 ``[R, C/G]`` of
-    ``weight`` float32 ``[R, C]`` for the inputs' ``hessian`` float32 ``[C, C]``, in groups of
-    ``group`` inputs (a divisor of C; see the module docstring)."""
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (float, 0..15) ``[R, C]``, scale codes uint8 ``[R, C/G]``, zero points uint8 ``[R, C/G]``
+    (0..15, one a byte) and row scales fp32 ``[R]`` of ``weight`` float32 ``[R, C]`` for the inputs'
+    ``hessian`` float32 ``[C, C]``, in groups of ``group`` inputs (a divisor of C; see the module
+    docstring)."""
     rows, cols = weight.shape
     assert cols % group == 0, f"group {group} does not divide the {cols} inputs"
     assert hessian.shape == (cols, cols), f"hessian {tuple(hessian.shape)} for {cols} inputs"
     w = weight.detach().to(torch.float32).clone()  # [R, C], rounded columns' errors added as it goes
+    rs = row_scales(w, group)  # [R]
     h = hessian.detach().to(device=w.device, dtype=torch.float32).clone()  # [C, C]
     dead = h.diagonal() == 0  # [C]
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
     u = _inverse_factor(h, damp)  # [C, C]
     q = torch.empty_like(w)  # [R, C]
-    scale = torch.empty(rows, cols // group, dtype=torch.float16, device=w.device)  # [R, C/G]
+    scale = torch.empty(rows, cols // group, dtype=torch.uint8, device=w.device)  # [R, C/G]
     zero = torch.empty(rows, cols // group, dtype=torch.uint8, device=w.device)  # [R, C/G]
     block = max(1, BLOCK // group) * group
     for a in range(0, cols, block):
@@ -70,14 +74,14 @@ def quantize(weight: torch.Tensor, hessian: torch.Tensor, group: int, damp: floa
         ub = u[a:b, a:b]  # [B, B]
         for i in range(b - a):
             if i % group == 0:
-                s, z = group_params(wb[:, i:i + group])  # [R, 1] each
-                scale[:, (a + i) // group], zero[:, (a + i) // group] = s[:, 0], z[:, 0]
-                sf, zf = s.to(torch.float32)[:, 0], z.to(torch.float32)[:, 0] / ZERO_STEPS  # [R]
+                k, z = group_params(wb[:, i:i + group], rs)  # [R, 1] each
+                scale[:, (a + i) // group], zero[:, (a + i) // group] = k[:, 0], z[:, 0]
+                sf, zf = group_scale(rs, k[:, 0]), z[:, 0].to(torch.float32)  # [R]
             col = wb[:, i]  # [R]
-            qc = round_codes(col, s[:, 0], z[:, 0])  # [R]
+            qc = round_codes(col, sf, zf)  # [R]
             q[:, a + i] = qc
             e = (col - (qc - zf) * sf) / ub[i, i]  # [R]
             wb[:, i:].sub_(e[:, None] * ub[i, i:][None, :])  # [R, B - i]
             err[:, i] = e
         w[:, b:].sub_(err @ u[a:b, b:])  # [R, C - b]
-    return q, scale, zero
+    return q, scale, zero, rs

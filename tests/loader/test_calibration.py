@@ -92,7 +92,10 @@ def test_calibrated_pack_loads_and_its_int4_stays_near_bf16(packs):
             logits[p] = model(ids).logits.float()
         tiers.api.manager_of(model).close()
     rel = (logits["int4"] - logits["bf16"]).norm() / logits["bf16"].norm()
-    assert 0 < rel < 0.2, rel
+    # Measured: qwen3_moe 0.037, gpt_oss 0.204 (0.043 and 0.176 with int4's former fp16 scales and
+    # 1/16-step zero points at group 64). The whole zero point of today's statistics no longer makes
+    # a group's mean error 0, and the tiny random GPT-OSS's logits feel that; its weights' SQNR rose.
+    assert 0 < rel < 0.25, rel
 
 
 @pytest.mark.parametrize("model_type", sorted(MODELS))
@@ -227,14 +230,16 @@ def test_cli_calibration_options_and_errors(tmp_path, capsys):
 
 
 # -- the trained model --------------------------------------------------------------------------
-# Measured (experiments/int4_quality.py, experiments/results/int4_quality.json): over eval.txt's 16
-# windows of 512 bytes, int4's mean KL per byte is 0.0112 with the plain fit, and calibrated (64
-# windows of 512 bytes) 0.0089-0.0095 on README.md + docs/*.md as they stood at three commits, and
+# Measured (experiments/int4_quality.py; experiments/results/int4_compact.json, shipped_g32_int4_quality_*,
+# and for the former statistics experiments/results/int4_quality.json): over eval.txt's 16
+# windows of 512 bytes, int4's mean KL per byte is 0.0108 with the plain fit, and 0.0084 calibrated
+# (64 windows of 512 bytes) on README.md + docs/*.md. With the former statistics (fp16 scales, group
+# 64) those were 0.0112 and 0.0089-0.0095 on README.md + docs/*.md as they stood at three commits,
 # 0.0097-0.0099 on README.md alone, docs/history.md alone, or the other four docs: the figure moves
 # by about 0.0005 with the calibration text, and these docs change with the repository. Hence a
 # bound and a margin with room for that.
-CALIBRATED_KL_BOUND = 0.0102
-MARGIN = 0.001  # calibrated at least this much below plain (measured: 0.0013-0.0023 below)
+CALIBRATED_KL_BOUND = 0.0095
+MARGIN = 0.001  # calibrated at least this much below plain (measured: 0.0024 below; 0.0013-0.0023 with the former statistics)
 
 
 @pytest.fixture

@@ -23,8 +23,9 @@ from tiers.transfer.staging import _direct_tensor
 from conftest import devices
 
 SENTINEL = 7.0
-H, I = 160, 96  # int4 groups (64 asked): 40 along H, 48 along I; rows of H codes end in a partial tile
+H, I = 160, 96  # int4 groups (64 asked, GROUP_ASKED): 40 along H, 48 along I; rows of H codes end in a partial tile
 GROUPED = (320, 192)  # int4 and nf4 groups of 64 along every row, as at Qwen3's and Mixtral's shapes
+GROUP_ASKED = {"int4": {"group": 64}}  # not int4's default (32), which divides both sizes' rows evenly
 
 
 def _layout(experts: int, transposed: bool, sizes=(H, I)) -> ExpertLayout:
@@ -47,7 +48,7 @@ def _weight(shape, g: torch.Generator, precision: str) -> torch.Tensor:
 
 def _experts(precision: str, transposed: bool, experts: int, device, sizes=(H, I)):
     layout = _layout(experts, transposed, sizes)
-    blob = blob_layout(layout, precision)
+    blob = blob_layout(layout, precision, GROUP_ASKED.get(precision))
     g = torch.Generator().manual_seed(3)
     blobs = [blob.encode({t.name: _weight(t.shape, g, precision) for t in layout.tensors})[0] for _ in range(experts)]
     slabs = {t.name: torch.full((12, *t.shape), SENTINEL, dtype=torch.bfloat16, device=device) for t in layout.tensors}

@@ -53,17 +53,21 @@ def test_a_diagonal_hessian_propagates_nothing_so_gptq_stores_the_plain_fit_exac
 
 
 def test_stored_form_decodes_with_int4_decode_and_matches_the_scheme_fields():
-    w = _weight(48, 160)  # 160 inputs: group 64 asked gives 40
+    w = _weight(48, 160)  # 160 inputs: group 64 asked gives 40, 32 asked 32 (an odd count of groups: 5)
     x = _inputs(1024, 160, seed=1)
-    q, scale, zero = gptq.quantize(w, x.t() @ x, group=40)
-    assert q.shape == (48, 160) and scale.shape == zero.shape == (48, 4)
-    assert scale.dtype == torch.float16 and zero.dtype == torch.uint8
-    assert q.min() >= 0 and q.max() <= 15 and torch.equal(q, q.round())
-    packed = INT4.quantize(w, hessian=x.t() @ x)
-    assert torch.equal(packed.data["codes"], int4.pack_codes(q))
-    assert torch.equal(packed.data["scale"], scale) and torch.equal(packed.data["zero"], zero)
-    by_hand = (q.view(48, 4, 40) - zero.float()[..., None] / 16) * scale.float()[..., None]  # [R, groups, G]
-    assert torch.equal(int4.decode(int4.pack_codes(q), scale, zero), by_hand.view(48, 160))
+    for group, n in ((40, 4), (32, 5)):
+        q, scale, zero, rs = gptq.quantize(w, x.t() @ x, group=group)
+        assert q.shape == (48, 160) and scale.shape == zero.shape == (48, n) and rs.shape == (48,)
+        assert scale.dtype == zero.dtype == torch.uint8 and rs.dtype == torch.float32 and zero.max() <= 15
+        assert torch.equal(rs, int4.row_scales(w, group))  # from the weights as given
+        assert q.min() >= 0 and q.max() <= 15 and torch.equal(q, q.round())
+        packed = INT4.quantize(w, hessian=x.t() @ x, group=64 if group == 40 else 32)
+        assert torch.equal(packed.data["codes"], int4.pack_codes(q))
+        assert torch.equal(packed.data["scale"], scale) and torch.equal(packed.data["zero"], int4.pack_zero(zero))
+        assert torch.equal(packed.data["row_scale"], rs)
+        s = rs[:, None] * int4.SCALE_MAP[scale.long()]  # [R, groups]: one fp32 product
+        by_hand = (q.view(48, n, group) - zero.float()[..., None]) * s[..., None]  # [R, groups, G]
+        assert torch.equal(int4.decode(int4.pack_codes(q), scale, int4.pack_zero(zero), rs), by_hand.view(48, 160))
 
 
 def test_a_transposed_weight_takes_the_hessian_over_its_input_axis():
@@ -72,7 +76,8 @@ def test_a_transposed_weight_takes_the_hessian_over_its_input_axis():
     rows = INT4.quantize(w, hessian=x.t() @ x)
     cols = INT4.quantize(w.t().contiguous(), columns=True, hessian=x.t() @ x)  # stored [in, out], as GPT-OSS does
     assert torch.equal(rows.data["codes"], cols.data["codes_t"])
-    assert torch.equal(rows.data["scale"], cols.data["scale"]) and torch.equal(rows.data["zero"], cols.data["zero"])
+    for name in ("scale", "zero", "row_scale"):
+        assert torch.equal(rows.data[name], cols.data[name]), name
 
 
 def test_inputs_no_row_reached_are_dropped_and_the_rest_still_gain():

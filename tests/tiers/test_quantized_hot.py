@@ -33,7 +33,8 @@ def _cfg(precision: str, budget: int) -> dict:
 
 def test_the_budget_holds_the_blobs_at_their_real_size(packed):
     """At one budget, int4 holds several times as many hot experts as bf16 (each is a blob of
-    4.375 bits a weight, 4 KiB aligned, against a bf16 slot); what the budget bought fits it."""
+    4 + 12/32 + 32/C bits a weight for rows of C inputs, 4 KiB aligned, against a bf16 slot); what
+    the budget bought fits it."""
     budget = 700_000  # 4 staging slots and their transit rows take 377 KB of it
     bf16 = manager_of(tiers.load(packed, _cfg("bf16", budget), progress=False))
     int4 = manager_of(tiers.load(packed, _cfg("int4", budget), progress=False))
