@@ -57,11 +57,11 @@ class DirectTensor:
 
     out: torch.Tensor  # [n_slots, *shape], bf16: slot i is row i
     data: int  # byte offset of the encoded data (bf16 values, int8 or 4-bit codes) within a blob
-    scale: int | None  # byte offset of the scales (int8's fp32, int4's fp16, nf4's qabsmax, mxfp4's exponents), None for bf16
+    scale: int | None  # byte offset of the scales (int8's fp32, int4's scale codes, nf4's qabsmax, mxfp4's exponents), None for bf16
     cols: bool = False  # int8 scales per column (a weight stored [in, out]), else per row
     kind: str = ""  # a 4-bit precision (``FOUR_BIT``), or "" for bf16 and int8
     zero: int = 0  # 4-bit: byte offset of int4's zero points or nf4's absmax2
-    extra: int = 0  # 4-bit: byte offset of nf4's offset
+    extra: int = 0  # 4-bit: byte offset of int4's row scales or nf4's offset
     rows: int = 0  # 4-bit: the storage's rows (R) and codes a row (C) and the group size (G), quant.direct4_kernel
     cols_n: int = 0
     group: int = 0
@@ -115,8 +115,8 @@ def four_bit(out: torch.Tensor, precision: str, fields: dict[str, tuple[torch.dt
         name = "codes_t" if "codes_t" in fields else "codes"
         rows, half = fields[name][1][-2:]
         groups = fields["scale"][1][-1]
-        return DirectTensor(out, fields[name][2], fields["scale"][2], kind="int4", zero=fields["zero"][2], rows=rows,
-                            cols_n=2 * half, group=2 * half // groups, transposed=name == "codes_t", fields=placed)
+        return DirectTensor(out, fields[name][2], fields["scale"][2], kind="int4", zero=fields["zero"][2], extra=fields["row_scale"][2],
+                            rows=rows, cols_n=2 * half, group=2 * half // groups, transposed=name == "codes_t", fields=placed)
     if precision == "nf4":
         from .nf4 import BLOCK as NF4_BLOCK
 

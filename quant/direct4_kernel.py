@@ -40,10 +40,11 @@ def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
     if GQ > 0:  # whole groups of GQ codes along a row: a statistic per group, broadcast over its codes
         NG: tl.constexpr = TC // GQ
         gc = tc * NG + tl.arange(0, NG)
-        a, z = _stats(src, scale, zero, extra, tables, r[:, None] * (C // GQ) + gc[None, :], (r[:, None] < R) & (gc[None, :] < C // GQ), KIND)
+        a, z = _stats(src, scale, zero, extra, tables, r[:, None] * (C // GQ) + gc[None, :], (r[:, None] < R) & (gc[None, :] < C // GQ),
+                      C // GQ, KIND)
         a, z = a[:, :, None], z[:, :, None]
     else:  # element f = r * C + c of the storage is in group f // G
-        a, z = _stats(src, scale, zero, extra, tables, (r[:, None] * C + c[None, :]) // G, m, KIND)
+        a, z = _stats(src, scale, zero, extra, tables, (r[:, None] * C + c[None, :]) // G, m, C // G, KIND)
     b = tc * (TC // 2) + tl.arange(0, TC // 2)  # [TC/2] bytes of a row
     half = C // 2
     byte = tl.load((src + codes) + r[:, None] * half + b[None, :], mask=(r[:, None] < R) & (b[None, :] < half), other=0)
@@ -67,13 +68,16 @@ def _tile(src, codes, scale, zero, extra, tables, out, t, R, C, G, tiles_c,
 
 
 @triton.jit
-def _stats(src, scale, zero, extra, tables, g, m, KIND: tl.constexpr):
-    """fp32 statistics of groups ``g``: int4's scale and zero point (in codes), NF4's absmax and
-    MXFP4's power of two (each with a zero beside it)."""
-    if KIND == INT4:
-        s = tl.load((src + scale).to(tl.pointer_type(tl.float16)) + g, mask=m, other=0.0).to(tl.float32)
-        z = tl.load((src + zero) + g, mask=m, other=0).to(tl.float32) / 16.0
-        return s, z
+def _stats(src, scale, zero, extra, tables, g, m, ng, KIND: tl.constexpr):
+    """fp32 statistics of groups ``g`` (``ng`` a row): int4's scale and zero point (in codes),
+    NF4's absmax and MXFP4's power of two (each with a zero beside it)."""
+    if KIND == INT4:  # its scale: the row's scale times its code's value (``tables[16:]``), one fp32 product
+        row, gi = g // ng, g % ng
+        k = tl.load((src + scale) + g, mask=m, other=0).to(tl.int32)
+        rs = tl.load((src + extra).to(tl.pointer_type(tl.float32)) + row, mask=m, other=0.0)
+        zb = tl.load((src + zero) + row * ((ng + 1) // 2) + gi // 2, mask=m, other=0).to(tl.int32)  # two zero points a byte
+        z = ((zb >> ((gi % 2) * 4)) & 15).to(tl.float32)
+        return rs * tl.load(tables + 16 + k, mask=m, other=0.0), z
     elif KIND == NF4:
         qa = tl.load((src + scale) + g, mask=m, other=0).to(tl.int32)
         a2 = tl.load((src + zero).to(tl.pointer_type(tl.float32)) + g // 256, mask=m, other=0.0)
@@ -111,7 +115,8 @@ _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
 def _tables(kind: str, device: torch.device) -> torch.Tensor:
-    """fp32 ``[16 + 256]``: the kind's 16 code values, then bitsandbytes' dynamic map (NF4's statistics)."""
+    """fp32 ``[16 + 256]``: the kind's 16 code values, then its statistics' 256: bitsandbytes' dynamic
+    map (NF4) or int4's scale codes' values (``quant.int4.SCALE_MAP``)."""
     key = (kind, device)
     got = _TABLES.get(key)
     if got is None:
@@ -119,10 +124,14 @@ def _tables(kind: str, device: torch.device) -> torch.Tensor:
             from .nf4 import tables
 
             values, dynamic = tables(device)
+        elif kind == "int4":
+            from .int4 import scale_map
+
+            values, dynamic = torch.arange(16, dtype=torch.float32, device=device), scale_map(device)
         else:
             from .mxfp4 import FP4_VALUES
 
-            values = torch.tensor(FP4_VALUES if kind == "mxfp4" else range(16), dtype=torch.float32, device=device)
+            values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
             dynamic = torch.zeros(256, dtype=torch.float32, device=device)
         got = _TABLES[key] = torch.cat([values.to(torch.float32), dynamic]).contiguous()
     return got

@@ -58,5 +58,5 @@ def linear_reference(x: torch.Tensor, per: int, picks: torch.Tensor, starts: tor
     st = starts.tolist()
     for j, e in enumerate(picks.tolist()):
         f = four_bit_fields(dev, -1 - st[e], t)
-        out[j] = (x[j // per].float() @ decode(f["codes"], f["scale"], f["zero"]).T).to(torch.bfloat16)
+        out[j] = (x[j // per].float() @ decode(f["codes"], f["scale"], f["zero"], f["row_scale"]).T).to(torch.bfloat16)
     return out

@@ -1,10 +1,11 @@
 """The Triton kernel behind ``quant.fused4.linear`` (imported only where Triton is present).
 
 Grid: (picks, output rows / ``BN``). Program (j, n) reads rows ``n * BN ...`` of pick ``j``'s int4
-weight in place in the GPU's blob pool, ``BK`` inputs at a time. A group's scale and zero point
-are factored out of its sum: ``sum((q - z) * s * x) = s * (sum(q * x) - z * sum(x))``, so each
-code costs a conversion and a multiply-add, and each group's statistics are read once; all in
-fp32, the row sums rounded once to bf16.
+weight in place in the GPU's blob pool, ``BK`` inputs at a time. A group's scale (its row's scale
+times its code's value, ``quant.int4``) and zero point are factored out of its sum:
+``sum((q - z) * s * x) = s * (sum(q * x) - z * sum(x))``, so each code costs a conversion and a
+multiply-add, and each group's statistics are read once; all in fp32, the row sums rounded once
+to bf16.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ BN, WARPS = 16, 4
 
 
 @triton.jit
-def _linear4(x, picks, starts, dev, out, codes, scale, zero, R, C, per,
+def _linear4(x, picks, starts, dev, out, codes, scale, zero, rows, maps, R, C, per,
              G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     j = tl.program_id(0)
     r = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN] output rows; int32 offsets (``quant.fused4.qualifies`` checks)
@@ -30,8 +31,10 @@ def _linear4(x, picks, starts, dev, out, codes, scale, zero, R, C, per,
     st = tl.load(starts + tl.load(picks + j))
     base = tl.multiple_of(dev + (-1 - st), 16)  # blobs start 4 KiB apart in the blob pool
     pairs = (x + (j // per) * C).to(tl.pointer_type(tl.int32))  # the input row as pairs of bf16 (C is even)
+    rs = tl.load((base + rows).to(tl.pointer_type(tl.float32)) + r, mask=rm, other=0.0)  # [BN] row scales
     half = C // 2
     NG: tl.constexpr = BK // G
+    ng = C // G
     acc = tl.zeros([BN, NG], dtype=tl.float32)
     for k in range(0, C, BK):
         b = k // 2 + tl.arange(0, BK // 2)  # [BK/2] bytes of a row: codes 2b (low nibble) and 2b + 1
@@ -44,10 +47,12 @@ def _linear4(x, picks, starts, dev, out, codes, scale, zero, R, C, per,
         qx = tl.sum(tl.reshape(p, (BN, NG, G // 2)), axis=2)  # [BN, NG]: each group's sum of code x input
         xs = tl.sum(tl.reshape(xe + xo, (NG, G // 2)), axis=1)  # [NG]: each group's sum of inputs
         gi = k // G + tl.arange(0, NG)
-        gm = rm[:, None] & (gi[None, :] < C // G)
-        s = tl.load((base + scale).to(tl.pointer_type(tl.float16)) + r[:, None] * (C // G) + gi[None, :], mask=gm, other=0.0)
-        z = tl.load((base + zero) + r[:, None] * (C // G) + gi[None, :], mask=gm, other=0).to(tl.float32) / 16.0
-        acc += s.to(tl.float32) * (qx - z * xs[None, :])  # sum over a group of (q - z) * s * x
+        gm = rm[:, None] & (gi[None, :] < ng)
+        code = tl.load((base + scale) + r[:, None] * ng + gi[None, :], mask=gm, other=0).to(tl.int32)
+        s = rs[:, None] * tl.load(maps + code, mask=gm, other=0.0)  # the group's scale, as quant.int4 forms it
+        zb = tl.load((base + zero) + r[:, None] * ((ng + 1) // 2) + (gi // 2)[None, :], mask=gm, other=0).to(tl.int32)
+        z = ((zb >> ((gi % 2) * 4)[None, :]) & 15).to(tl.float32)  # two zero points a byte
+        acc += s * (qx - z * xs[None, :])  # sum over a group of (q - z) * s * x
     tl.store(out + j * R + r, tl.sum(acc, axis=1).to(tl.bfloat16), mask=rm)
 
 
@@ -63,6 +68,9 @@ def launch(x: torch.Tensor, per: int, picks: torch.Tensor, starts: torch.Tensor,
     if relaunch is None:
         relaunch = _RELAUNCH[key] = triton_relauncher(_linear4, dict(G=t.group, BN=bn, BK=bk, num_warps=warps,
                                                                      enable_fp_fusion=False))
+    from .int4 import scale_map
+
     dynamic = (x, picks, starts, dev, out)
-    ints = (t.data, t.scale, t.zero, t.rows, t.cols_n, per)  # Triton specializes on them (== 1, % 16): part of the key
-    relaunch((picks.numel(), triton.cdiv(t.rows, bn)), (*dynamic, *ints), (launch_key(dynamic), ints))
+    ints = (t.data, t.scale, t.zero, t.extra)  # offsets in a blob; then the scale codes' values, the shape and ``per``
+    fixed = (*ints, scale_map(x.device), t.rows, t.cols_n, per)  # Triton specializes on ints (== 1, % 16): part of the key
+    relaunch((picks.numel(), triton.cdiv(t.rows, bn)), (*dynamic, *fixed), (launch_key(dynamic), ints, t.rows, t.cols_n, per))

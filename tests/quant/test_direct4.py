@@ -6,8 +6,9 @@ Layouts: Qwen3-like (``gate_up_proj`` [2I, H], ``down_proj`` [H, I], weights sto
 and GPT-OSS-like (transposed, with biases: int4 reads ``codes_t``, MXFP4 its blocks, both
 written transposed into the slot). Shapes are chosen so that tiles cover partial rows and
 columns (``quant.direct.TILE_R`` x ``TILE_C``) and int4's groups do not divide a tile; the
-``GROUPED`` sizes give every tensor groups of 64 (int4 and nf4), so the kernel reads each group's
-statistics once (``quant.direct4_kernel.spread_group``).
+``GROUPED`` sizes give every tensor whole groups (int4's default 32, nf4's 64), so the kernel reads
+each group's statistics once (``quant.direct4_kernel.spread_group``); the ``ODD`` sizes give int4
+rows an odd number of groups (7 and 3 of 32), whose zero points' last byte is half used.
 """
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from conftest import devices
 
 SENTINEL = 7.0
 H, I = 160, 96  # int4 groups (64 asked, GROUP_ASKED): 40 along H, 48 along I; rows of H codes end in a partial tile
-GROUPED = (320, 192)  # int4 and nf4 groups of 64 along every row, as at Qwen3's and Mixtral's shapes
-GROUP_ASKED = {"int4": {"group": 64}}  # not int4's default (32), which divides both sizes' rows evenly
+GROUPED = (320, 192)  # int4's default groups (32) and nf4's of 64 along every row, as at Qwen3's and Mixtral's shapes
+ODD = (224, 96)
+GROUP_ASKED = {"int4": {"group": 64}}  # (H, I) only: not int4's default (32), which divides its rows evenly
 
 
 def _layout(experts: int, transposed: bool, sizes=(H, I)) -> ExpertLayout:
@@ -48,7 +50,7 @@ def _weight(shape, g: torch.Generator, precision: str) -> torch.Tensor:
 
 def _experts(precision: str, transposed: bool, experts: int, device, sizes=(H, I)):
     layout = _layout(experts, transposed, sizes)
-    blob = blob_layout(layout, precision, GROUP_ASKED.get(precision))
+    blob = blob_layout(layout, precision, GROUP_ASKED.get(precision) if sizes == (H, I) else None)
     g = torch.Generator().manual_seed(3)
     blobs = [blob.encode({t.name: _weight(t.shape, g, precision) for t in layout.tensors})[0] for _ in range(experts)]
     slabs = {t.name: torch.full((12, *t.shape), SENTINEL, dtype=torch.bfloat16, device=device) for t in layout.tensors}
@@ -60,7 +62,7 @@ CASES = [("int4", False), ("int4", True), ("nf4", False), ("nf4", True), ("mxfp4
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("sizes", [(H, I), GROUPED])
+@pytest.mark.parametrize("sizes", [(H, I), GROUPED, ODD])
 @pytest.mark.parametrize("precision,transposed", CASES)
 def test_misses_decode_exactly_as_the_blob(precision, transposed, sizes, device):
     device = torch.device(device)
@@ -90,7 +92,7 @@ def test_misses_decode_exactly_as_the_blob(precision, transposed, sizes, device)
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("sizes", [(H, I), GROUPED])
+@pytest.mark.parametrize("sizes", [(H, I), GROUPED, ODD])
 @pytest.mark.parametrize("precision,transposed", CASES)
 def test_kernel_matches_reference_bit_for_bit(precision, transposed, sizes):
     """Many picks, some resident, the kernel against the torch reference (which runs the schemes'
@@ -128,7 +130,7 @@ def test_four_bit_tensors_name_their_storage():
     _, _, _, _, tensors = _experts("mxfp4", True, 2, torch.device("cpu"))
     assert [(t.rows, t.cols_n, t.group, t.transposed) for t in tensors if t.kind] == [(2 * I, H, 32, True), (H, I, 32, True)]
     _, _, _, _, tensors = _experts("int4", False, 2, torch.device("cpu"), GROUPED)
-    assert [t.group for t in tensors] == [64, 64]
+    assert [t.group for t in tensors] == [32, 32]
 
 
 def test_the_kernel_reads_a_group_once_where_tiles_hold_whole_groups():
@@ -140,7 +142,7 @@ def test_the_kernel_reads_a_group_once_where_tiles_hold_whole_groups():
     def group(precision, transposed, sizes):
         return spread_group(_experts(precision, transposed, 1, torch.device("cpu"), sizes)[4].groups[0])
 
-    assert [group("int4", False, GROUPED), group("nf4", False, GROUPED), group("int4", True, GROUPED)] == [64, 64, 64]
+    assert [group("int4", False, GROUPED), group("nf4", False, GROUPED), group("int4", True, GROUPED)] == [32, 64, 32]
     assert [group("int4", False, (H, I)), group("nf4", False, (H, I))] == [0, 0]  # groups of 40 and 48; nf4 rows of 160
     assert group("mxfp4", True, (H, I)) == 32
 

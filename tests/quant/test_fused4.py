@@ -20,10 +20,10 @@ from tiers.transfer.staging import _direct_tensor
 
 from conftest import devices
 
-SIZES = [(320, 192), (1088, 68)]  # (H, I): int4 groups of 64 along H; 1088 inputs are 2 steps and a part, 136 rows a partial block
+SIZES = [(320, 192), (2080, 68)]  # (H, I): int4 groups of 32; 2080 inputs are two steps of BK and a part, 65 groups (an odd count), 136 rows a partial block
 
 
-def _pool(sizes, experts: int, device, precision: str = "int4", transposed: bool = False):
+def _pool(sizes, experts: int, device, precision: str = "int4", transposed: bool = False, group: int | None = None):
     """Blobs of ``experts`` random experts back to back in a byte pool on ``device`` (each start
     4 KiB aligned, as the blob pool places them), their tensors, weights and negative starts."""
     H, I = sizes
@@ -32,7 +32,7 @@ def _pool(sizes, experts: int, device, precision: str = "int4", transposed: bool
                               is_transposed=True, is_concatenated=False)
     else:
         layout = ExpertLayout(experts, (ExpertTensor("gate_up_proj", (2 * I, H)), ExpertTensor("down_proj", (H, I))))
-    blob = blob_layout(layout, precision)
+    blob = blob_layout(layout, precision, {"group": group} if group else None)
     stride = -(-blob.stride // 4096) * 4096
     g = torch.Generator().manual_seed(5)
     pool = torch.zeros(experts * stride, dtype=torch.uint8)
@@ -65,7 +65,7 @@ def test_each_pick_times_its_experts_decoded_weight(sizes, device):
     device = torch.device(device)
     pool, tensors, starts, weights = _pool(sizes, 5, device)
     up, down = tensors
-    assert fused4.qualifies(up) and up.group == 64
+    assert fused4.qualifies(up) and up.group == 32
     g = torch.Generator().manual_seed(2)
     picks = torch.tensor([3, 0, 3, 4, 1, 2], device=device)  # 3 tokens x 2 picks, expert 3 twice
     x = torch.randn(3, sizes[0], generator=g).to(torch.bfloat16)
@@ -99,7 +99,7 @@ def test_kernel_agrees_with_the_reference(sizes):
 def test_it_takes_int4_stored_out_by_in_with_a_power_of_two_group():
     _, tensors, _, _ = _pool((320, 192), 1, torch.device("cpu"))
     assert [fused4.qualifies(t) for t in tensors] == [True, True]
-    _, tensors, _, _ = _pool((160, 96), 1, torch.device("cpu"))  # groups of 40 and 48
+    _, tensors, _, _ = _pool((160, 96), 1, torch.device("cpu"), group=64)  # groups of 40 and 48
     assert [fused4.qualifies(t) for t in tensors] == [False, False]
     _, tensors, _, _ = _pool((320, 192), 1, torch.device("cpu"), transposed=True)  # codes_t
     assert not any(fused4.qualifies(t) for t in tensors)
