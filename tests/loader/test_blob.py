@@ -217,7 +217,7 @@ def test_unknown_precision():
 @pytest.mark.parametrize("precision", ["int4", "nf4"])
 def test_four_bit_blobs_hold_at_most_055_of_int8s_bytes(shapes, transposed, precision):
     """What a miss moves: a 4-bit expert's blob against its INT8 blob, at the real models' shapes
-    (the issue's bound 0.55; int4 at group 32 is 4 + 12/32 + 32/C bits a weight for rows of C
+    (the 4-bit target: at most 0.55; int4 at group 32 is 4 + 12/32 + 32/C bits a weight for rows of C
     inputs: 4.40, 4.38 and 4.39 at these shapes, 0.548, 0.547 and 0.548 of INT8; nf4 about 4.13,
     INT8 8 plus a scale a row)."""
     layout = ExpertLayout(8, tuple(ExpertTensor(n, s) for n, s in zip(("gate_up_proj", "down_proj"), shapes)),
