@@ -20,7 +20,8 @@ from tiers.transfer.staging import _direct_tensor
 
 from conftest import devices
 
-SIZES = [(320, 192), (2080, 68)]  # (H, I): int4 groups of 32; 2080 inputs are two steps of BK and a part, 65 groups (an odd count), 136 rows a partial block
+# (H, I): int4 groups of 32; 2080 inputs are two steps of BK and a part, 65 groups (an odd count), 136 rows a partial block
+SIZES = [(320, 192), (2080, 68)]
 
 
 def _pool(sizes, experts: int, device, precision: str = "int4", transposed: bool = False, group: int | None = None):

@@ -132,8 +132,8 @@ class DirectPath:
             self._miss_bytes[pool.index] = blob.nbytes
             usage = None if self.usage is None else self.usage[row, :n]
             tensors = mgr.staging.direct_tensors(pool, blob)
-            out[layer] = _Layer(self._starts[row, :n], self._resident[row, :n], tensors, pool, counts[:4], usage, counts[4:],
-                                _fused(tensors, blob) if pooled.all() else None)
+            fused = _fused(tensors, blob) if pooled.all() and usage is None else None  # fused calls count no usage
+            out[layer] = _Layer(self._starts[row, :n], self._resident[row, :n], tensors, pool, counts[:4], usage, counts[4:], fused)
         if changed:
             self._upload()
         self.version = t.homes_version
