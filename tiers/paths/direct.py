@@ -246,11 +246,11 @@ class DirectPath:
             self.mgr.table.unreserve(pool.index, s, "direct", ev, keep=False)
 
     def qualifies(self, layer: int, picks: int) -> bool:
-        """Whether a call of ``picks`` picks at ``layer`` runs direct now: its layer qualifies and
-        its pool reserved slots for at least that many misses."""
+        """Whether a call of ``picks`` picks at ``layer`` runs direct now: its layer qualifies, and
+        its calls are fused (no slot needed) or its pool reserved slots for at least that many misses."""
         if not self.staged or self.layers is None or layer not in self.layers:
             return False
-        if self.layers[layer].fused is not None and self.fused:  # no slot needed
+        if self._fuses(self.layers[layer]):
             return True
         pool = self.mgr.pool_of[layer].index
         return pool in self.reserved and picks <= len(self.mgr.table.reserved_slots(pool, "direct"))
@@ -271,15 +271,15 @@ class DirectPath:
     def run(self, module: torch.nn.Module, layer: int, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
             top_k_weights: torch.Tensor) -> torch.Tensor:
         """The slot of every pick, each miss decoded into a reserved slot, then transformers'
-        batched_mm forward on those slot ids; inside a step graph the device work alone (the
-        step's runner did the host's part, ``Manager.begin_step``)."""
+        batched_mm forward on those slot ids (a fused layer: ``_run_fused``); inside a step graph
+        the device work alone (the step's runner did the host's part, ``Manager.begin_step``)."""
         from transformers.integrations.moe import batched_mm_experts_forward
 
         mgr = self.mgr
         d = self.layers[layer]
         pool = d.pool
         px = mgr.proxy(module, pool)
-        if d.fused is not None and self.fused:
+        if self._fuses(d):
             return self._run_fused(px, layer, d, hidden_states, top_k_index, top_k_weights)
         if mgr.phase.in_step:
             ids = self._fetch(d, layer, top_k_index, d.step_counts)
@@ -298,6 +298,10 @@ class DirectPath:
         def step(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return batched_mm_experts_forward(px, h, ids, w)
         return mgr.decode_graphs.run(("direct", layer), (ids, *pool.slabs.values()), step, (hidden_states, top_k_weights))
+
+    def _fuses(self, d: _Layer) -> bool:
+        """Whether ``d``'s calls multiply by its int4 blobs in place (``_run_fused``)."""
+        return d.fused is not None and self.fused
 
     def _run_fused(self, px: Any, layer: int, d: _Layer, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                    top_k_weights: torch.Tensor) -> torch.Tensor:
