@@ -200,6 +200,11 @@ class _Sizes:
         """GPU bytes ``n`` staging slots per group take, with their transit rows."""
         return sum(n * self.slot_bytes[Ls[0]] + self.rows(Ls, n) * self.transit(Ls) for Ls in self.groups.values())
 
+    def pool_stride(self, key: ExpertKey) -> int:
+        """Bytes expert ``key`` takes in the GPU's blob pool: its gpu-precision blob's stride (an
+        expert pack kept at a higher precision takes more)."""
+        return self.manifest.blob(key, self.cfg.gpu.precision).stride
+
     def auto_staging(self, budget: int) -> int:
         """``staging_slots: auto``: 2 x top-k (a decode call's misses fit half of them), or up to 4 x
         so that half of them carries AUTO_PART_BYTES up, at least AUTO_RING_PER_TOP_K x top-k where
@@ -214,9 +219,8 @@ class _Sizes:
             n = max(n, AUTO_RING_PER_TOP_K * k)
         while n > 1 and self.reserve(n) > budget // 2:
             n -= 1
-        gp = self.cfg.gpu.precision
-        if gp != "bf16":
-            every = sum(self.manifest.blob(key, gp).stride for key in self.manifest.keys)
+        if self.cfg.gpu.precision != "bf16":
+            every = sum(self.pool_stride(key) for key in self.manifest.keys)
             fewer = n
             while fewer > 1 and self.reserve(fewer) + every > budget:
                 fewer -= 1
@@ -236,17 +240,13 @@ def _plan_gpu(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: st
 def _plan_gpu_pool(sizes: _Sizes, order: list[ExpertKey], budget: int, budget_key: str) -> tuple[list[ExpertKey], int, int]:
     """Quantized hot experts: the staging slots per pool, and in the rest of ``budget`` the experts
     whose gpu-precision blobs fit; (those experts, the staging slots, their blobs' bytes)."""
-    cfg, manifest = sizes.cfg, sizes.manifest
+    cfg = sizes.cfg
     if cfg.rebalance.every_tokens:
         raise ValueError(f"tiers.rebalance.every_tokens: the rebalancer moves bf16 hot experts, and with tiers.gpu.precision "
                          f"{cfg.gpu.precision!r} the hot experts stay quantized; set it to 0, or tiers.gpu.precision to bf16")
     n_staging, reserved = _staging(sizes, budget, budget_key)
-
-    def stride(k: ExpertKey) -> int:  # its blob's real size: an expert pack kept at a higher precision takes more
-        return manifest.blob(k, cfg.gpu.precision).stride
-
-    pool = _fill(order, stride, budget - reserved)
-    return pool, n_staging, sum(stride(k) for k in pool)
+    pool = _fill(order, sizes.pool_stride, budget - reserved)
+    return pool, n_staging, sum(sizes.pool_stride(k) for k in pool)
 
 
 def _staging(sizes: _Sizes, budget: int, budget_key: str) -> tuple[int, int]:
