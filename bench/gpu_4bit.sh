@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The 4-bit precisions on a CUDA machine, in one 10-minute device call; logs and results go to ${OUT:-gpu-out}/.
 # Usage (from the repo root): bash bench/gpu_4bit.sh (MODEL, ARMS, BENCH_S and RATES narrow the steps)
-#   1. the CUDA tests of the 4-bit decode and the fused int4 products (kernels against the torch references);
+#   1. the CUDA tests of the 4-bit decode, the fused int4 products and staging (kernels against the torch references);
+#      the rest only where they pass;
 #   2. the probes of RATES (default fused4): experiments/fused4_rate.py (fused products against slot decode),
 #      direct4: experiments/direct4_rate.py --tiles base (direct decode from pinned and GPU memory);
 #   3. tools/bench on MODEL's shapes (default qwen3_moe, 12 layers; mixtral: 8): every expert hot in bf16 against
@@ -10,8 +11,9 @@ set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out/results"
 source bench/gpu_env.sh
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda tests/quant/test_fused4.py tests/quant/test_direct4.py \
-  tests/tiers/test_quantized_hot.py 2>&1 | tail -5 | tee "$out/pytest_cuda_4bit.log"
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/quant/test_fused4.py tests/quant/test_direct4.py \
+  tests/quant/test_direct_fetch.py tests/tiers/test_quantized_hot.py tests/tiers/transfer 2>&1 | tail -5 | tee "$out/pytest_cuda_4bit.log"
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "the CUDA tests failed: no probes, no bench"; exit 1; }
 for rate in ${RATES-fused4}; do
   case $rate in
     fused4) timeout 120 python3 experiments/fused4_rate.py --reps 30 --out "$out/fused4_rate.json" 2>&1 | grep -v Warn | tail -30 ;;

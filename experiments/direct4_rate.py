@@ -66,12 +66,11 @@ def experts(model: str, precision: str, n: int):
 
 def rate(blob, buf, model: str, reps: int, source: str = "host") -> dict:
     from tiers.quant.direct import fetch
-    from tiers.transfer.staging import _direct_tensor
-    from tiers.quant.direct import DirectExpert
+    from tiers.quant.direct import expert_of
 
     spec = MODELS[model]
     slabs = {name: torch.empty((16, *shape), dtype=torch.bfloat16, device="cuda") for name, shape in blob.shapes}
-    tensors = DirectExpert(_direct_tensor(slabs[n], [f for f in blob.fields if f.tensor == n], blob.precision) for n, _ in blob.shapes)
+    tensors = expert_of(slabs, blob, blob.precision)
     n = buf.numel() // blob.stride
     starts = torch.arange(n, device="cuda") * blob.stride
     dev = buf.to("cuda") if source == "dev" else None

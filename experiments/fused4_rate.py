@@ -61,8 +61,7 @@ def model_rows(model: str, reps: int, rate: float) -> list[dict]:
     from tiers.loader.blob import blob_layout
     from tiers.loader.layout import ExpertLayout, ExpertTensor
     from tiers.quant import direct, fused4, fused4_kernel
-    from tiers.quant.direct import DirectExpert, fetch
-    from tiers.transfer.staging import _direct_tensor
+    from tiers.quant.direct import expert_of, fetch
 
     spec = MODELS[model]
     n, k = spec["experts"], spec["picks"]
@@ -79,7 +78,7 @@ def model_rows(model: str, reps: int, rate: float) -> list[dict]:
         for name, w in ws.items():
             bf16[name][e] = w
     slabs = {t.name: torch.empty((k, *t.shape), dtype=torch.bfloat16, device="cuda") for t in tensors}
-    dt = DirectExpert(_direct_tensor(slabs[nm], [f for f in blob.fields if f.tensor == nm], "int4") for nm, _ in blob.shapes)
+    dt = expert_of(slabs, blob, "int4")
     up, down = dt
     starts = -1 - torch.arange(n, device="cuda") * stride
     hidden = spec["shapes"][0][1]

@@ -127,6 +127,26 @@ def four_bit(out: torch.Tensor, precision: str, fields: dict[str, tuple[torch.dt
                         group=2 * half, transposed=True, fields=placed)
 
 
+def expert_of(slabs: dict[str, torch.Tensor], blob, precision: str) -> DirectExpert:
+    """How ``fetch`` decodes a packed blob (its ``shapes`` and placed ``fields``, as ``loader.blob``
+    lays them out) of ``precision`` into ``slabs``: one ``DirectTensor`` per tensor, in order."""
+    return DirectExpert(placed(slabs[name], [f for f in blob.fields if f.tensor == name], precision) for name, _ in blob.shapes)
+
+
+def placed(out: torch.Tensor, fields: list, precision: str) -> DirectTensor:
+    """How ``quant.direct`` decodes one tensor's placed fields into its slab ``out``: int8 codes and
+    their scales (per column where the scales run along the last axis), 4-bit fields, or a bf16
+    copy (bf16 experts, and the tensors the lossy precisions keep exact: biases)."""
+    by = {f.spec.name: f for f in fields}
+    if precision in FOUR_BIT and "data" not in by:
+        return four_bit(out, precision, {n: (f.spec.dtype, f.spec.shape, f.offset) for n, f in by.items()})
+    if "qdata" not in by:
+        return DirectTensor(out, by["data"].offset, None)
+    scale = by["scale"].spec
+    cols = len(scale.shape) == len(by["qdata"].spec.shape) and scale.shape[-2:-1] == (1,)
+    return DirectTensor(out, by["qdata"].offset, by["scale"].offset, cols)
+
+
 def blocks(tensors: tuple[DirectTensor, ...]) -> int:
     """The kernel's programs per pick for an expert of ``tensors``: each tensor's elements in
     ``BLOCK``s (4-bit ones: tiles of ``TILE_R`` x ``TILE_C``), one after another."""

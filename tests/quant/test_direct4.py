@@ -18,8 +18,7 @@ import torch
 from tiers.loader.blob import blob_layout
 from tiers.loader.layout import ExpertLayout, ExpertTensor
 from tiers.quant import mxfp4
-from tiers.quant.direct import DirectExpert, SlotCache, fetch, fetch_cached, fetch_reference
-from tiers.transfer.staging import _direct_tensor
+from tiers.quant.direct import SlotCache, expert_of, fetch, fetch_cached, fetch_reference
 
 from conftest import devices
 
@@ -54,7 +53,7 @@ def _experts(precision: str, transposed: bool, experts: int, device, sizes=(H, I
     g = torch.Generator().manual_seed(3)
     blobs = [blob.encode({t.name: _weight(t.shape, g, precision) for t in layout.tensors})[0] for _ in range(experts)]
     slabs = {t.name: torch.full((12, *t.shape), SENTINEL, dtype=torch.bfloat16, device=device) for t in layout.tensors}
-    tensors = DirectExpert(_direct_tensor(slabs[name], [f for f in blob.fields if f.tensor == name], precision) for name, _ in blob.shapes)
+    tensors = expert_of(slabs, blob, precision)
     return blob, blobs, torch.cat(blobs), slabs, tensors
 
 

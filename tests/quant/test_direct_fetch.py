@@ -13,7 +13,6 @@ from tiers import quant
 from tiers.quant import QuantizedTensor
 from tiers.quant.direct import FIELDS, DirectTensor, fetch, fetch_reference
 
-from conftest import devices
 
 SENTINEL = 7.0
 
@@ -326,8 +325,7 @@ def _transposed_biased(precision: str, experts: int, device):
     as the staging builds it (``blob.fields``)."""
     from tiers.loader.blob import blob_layout
     from tiers.loader.layout import ExpertLayout, ExpertTensor
-    from tiers.quant.direct import DirectExpert
-    from tiers.transfer.staging import _direct_tensor
+    from tiers.quant.direct import expert_of
 
     H, I = 64, 40
     layout = ExpertLayout(experts, (ExpertTensor("gate_up_proj", (H, 2 * I)), ExpertTensor("gate_up_proj_bias", (2 * I,)),
@@ -338,7 +336,7 @@ def _transposed_biased(precision: str, experts: int, device):
     blobs = [blob.encode({t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in layout.tensors})[0] for _ in range(experts)]
     buf = torch.cat(blobs)
     slabs = {t.name: torch.full((10, *t.shape), SENTINEL, dtype=torch.bfloat16, device=device) for t in layout.tensors}
-    tensors = DirectExpert(_direct_tensor(slabs[name], [f for f in blob.fields if f.tensor == name], precision) for name, _ in blob.shapes)
+    tensors = expert_of(slabs, blob, precision)
     return blob, blobs, buf, slabs, tensors
 
 

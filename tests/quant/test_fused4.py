@@ -15,8 +15,7 @@ import torch
 from tiers.loader.blob import blob_layout
 from tiers.loader.layout import ExpertLayout, ExpertTensor
 from tiers.quant import fused4
-from tiers.quant.direct import DirectExpert
-from tiers.transfer.staging import _direct_tensor
+from tiers.quant.direct import expert_of
 
 from conftest import devices
 
@@ -41,7 +40,7 @@ def _pool(sizes, experts: int, device, precision: str = "int4", transposed: bool
         enc = blob.encode({t.name: torch.randn(t.shape, generator=g).to(torch.bfloat16) for t in layout.tensors})[0]
         pool[e * stride : e * stride + enc.numel()] = enc
     slabs = {t.name: torch.empty((1, *t.shape), dtype=torch.bfloat16, device=device) for t in layout.tensors}
-    tensors = DirectExpert(_direct_tensor(slabs[n], [f for f in blob.fields if f.tensor == n], precision) for n, _ in blob.shapes)
+    tensors = expert_of(slabs, blob, precision)
     starts = torch.tensor([-1 - e * stride for e in range(experts)], device=device)
     weights = []
     for e in range(experts):

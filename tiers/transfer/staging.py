@@ -7,12 +7,12 @@ tells the table each write's ready event (``Table.written``).
 
 - A write waits, on the copy stream, for the slot's last read (``Table.last_read``).
 - Lossless bytes are copied straight into the slot; lossy ones into the next transit row, which
-  the dequant stream turns into the slot's weights while the copy stream moves on.
+  the dequant stream turns into the slot's weights while the copy stream moves on: with one
+  ``quant.direct`` launch where it decodes the encoding, else the scheme's dequantization.
 - The writes of one layer call form a batch (``batch``): each copy is queued at once, but small
   lossy experts are dequantized a stack at a time (up to ``STACK_EXPERTS`` after one wait,
-  sharing one ready event; one launch per tensor when their slots are in a row). Larger ones go
-  up one tensor at a time, each dequantized once its own copy has landed (Mixtral-8x7B INT8 on
-  an H200: only the down projection's 0.25 of 0.75 ms follows the last copy).
+  sharing one ready event, one launch). Larger ones go up one tensor at a time, each dequantized
+  once its own copy has landed, so that only the last tensor's follows the last copy.
 - On CUDA with Triton, small warm experts are read by the GPU straight from the pinned pool
   (a direct stack: one launch on the copy stream decodes up to ``STACK_EXPERTS`` of them).
 - A streamed part's misses go up as one driver batch (``tiers.transfer.h2d``) or one run.
@@ -67,7 +67,6 @@ class _Batch:
 
 class Staging:
     STACK_EXPERTS = 4
-    STACK_VIEWS = 4096  # stacks' views kept at most
 
     def __init__(self, manifest: Manifest, table: Table, pools: list[SlotPool], transit: dict[int, tuple[int, int]], host: HostPool,
                  disk: DiskStore, uploads: Uploads, streams: Any, stats: Any, *, precisions: tuple[str, str],
@@ -93,8 +92,7 @@ class Staging:
         self._views_of: dict[tuple, dict] = {}  # (blob layout, address, device, shape) -> prepared field views
         self._warm: dict[tuple[int, int], torch.Tensor] = {}  # (host offset, bytes) -> that view of the pool
         self._rows: dict[tuple[int, int, int, int], torch.Tensor] = {}  # (pool, row, bytes, rows) -> those rows' first bytes
-        self._stack_views: dict[tuple, tuple[dict, dict]] = {}
-        self._direct: dict[tuple[int, str], direct.DirectExpert | None] = {}
+        self._direct: dict[tuple, direct.DirectExpert | None] = {}  # (pool, precision[, tensor]) -> how quant.direct decodes it
         self.direct_reads = self.device.type == "cuda" and host.pinned and direct.kernel_available()
         self.ring: dict[tuple[int, int], torch.Tensor] = {}
         self.ring_busy: dict[tuple[int, int], Any] = {}
@@ -103,11 +101,9 @@ class Staging:
                 size = max(manifest.layers[L].largest(self.nvme_precision).stride for L in self._layers(p))
                 for s in p.staging:
                     self.ring[(p.index, s)] = host.view(host.alloc(size, "rings"), size)
-        # direct stacks' scratch: their picks are 0..k-1, none resident
-        n = self.STACK_EXPERTS
-        self._stack_picks = torch.arange(n, dtype=torch.int64, device=self.device)
+        n = self.STACK_EXPERTS  # direct stacks' scratch: their picks are 0..k-1, none resident
+        self._stack_picks, self._stack_ids = torch.arange(n, device=self.device), torch.empty(n, dtype=torch.int64, device=self.device)
         self._stack_resident = torch.full((n,), -1, dtype=torch.int32, device=self.device)
-        self._stack_ids = torch.empty(n, dtype=torch.int64, device=self.device)
         self._stack_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def _layers(self, pool: SlotPool) -> list[int]:
@@ -171,11 +167,17 @@ class Staging:
         if key not in self._direct:
             tensors = None
             if direct.supported(blob.precision):
-                tensors = direct.DirectExpert(_direct_tensor(pool.slabs[name], [f for f in blob.fields if f.tensor == name],
-                                                             blob.precision) for name, _ in blob.shapes)
+                tensors = direct.expert_of(pool.slabs, blob, blob.precision)
                 if not direct.fits(tensors):
                     tensors = None
             self._direct[key] = tensors
+        return self._direct[key]
+
+    def _tensor_of(self, pool: SlotPool, blob: Any, name: str) -> direct.DirectExpert:
+        """``direct_tensors``' tensor ``name`` alone, as a launch takes it (made once)."""
+        key = (pool.index, blob.precision, name)
+        if key not in self._direct:
+            self._direct[key] = direct.DirectExpert(t for t, (n, _) in zip(self.direct_tensors(pool, blob), blob.shapes) if n == name)
         return self._direct[key]
 
     def _check_pinned(self, src: torch.Tensor) -> None:
@@ -316,7 +318,7 @@ class Staging:
         tensor dequantized into the slot once its own copy has landed; one ready event."""
         pi = pool.index
         buf = self._row(pi, row, blob.nbytes)
-        views, out = self.views(blob, buf), pool.tensors(slot)
+        views, out, kernel = self.views(blob, buf), pool.tensors(slot), self.direct_tensors(pool, blob) is not None
         with self.streams.use(self.copy_stream):
             self._mark_start(b)
             self._check_pinned(src)
@@ -328,7 +330,11 @@ class Staging:
             landed.record(self.copy_stream)
             with self.streams.use(self.dequant_stream):
                 self.dequant_stream.wait_event(landed)
-                scheme.dequantize(views[name], out=out[name])
+                if kernel:
+                    self._fetch_stack(pool, blob, self.transit[pi].view(-1), [row * self.transit[pi].shape[1]], [slot],
+                                      self.dequant_stream, self._tensor_of(pool, blob, name))
+                else:
+                    scheme.dequantize(views[name], out=out[name])
         with self.streams.use(self.dequant_stream):
             ready = self.streams.event(timing=self.timing)
             ready.record(self.dequant_stream)
@@ -408,65 +414,46 @@ class Staging:
     # -- dequantization and closing -----------------------------------------------------------------
     def _dequantize(self, b: _Batch, g: _Stack) -> None:
         """Dequantize a stack (consecutive transit rows of one pool) into its slots on the dequant
-        stream after its copies land, one ready event for all; each run of slots in a row is one
-        launch per tensor. A direct stack is one ``quant.direct.fetch`` launch on the copy stream."""
+        stream after its copies land, one ready event for all; a direct stack is one
+        ``quant.direct.fetch`` launch on the copy stream."""
         pool, k, t0 = g.pool, len(g.slots), self.clock()
         if g.starts is not None:
-            ready = self._fetch_stack(pool, g.blob, g.starts, g.slots)
+            self._fetch_stack(pool, g.blob, self.host.slab, g.starts, g.slots, self.copy_stream)
+            ready = self.streams.event(timing=self.timing)
+            ready.record(self.copy_stream)
+            self.stats.direct_stacks += 1
             self.table.written(pool.index, g.slots, ready, self.copy_stream)
             b.last = ready
             self._count_time(t0)
             return
         landed = self.streams.event()
         landed.record(self.copy_stream)
-        scheme = quant.get_scheme(g.blob.precision)
         with self.streams.use(self.dequant_stream):
             self.dequant_stream.wait_event(landed)
-            i = 0
-            while i < k:  # each run of slots in a row (its transit rows are in a row too)
-                j = i + 1
-                while j < k and g.slots[j] == g.slots[i] + (j - i):
-                    j += 1
-                if j - i > 1 and scheme.stacks:
-                    views, out = self._stacked(pool, g.blob, g.row + i, g.slots[i], j - i)
-                    for name, q in views.items():
+            rows = self.transit[pool.index]
+            if self.direct_tensors(pool, g.blob) is not None:  # one launch reads the stack's transit rows
+                self._fetch_stack(pool, g.blob, rows.view(-1), [(g.row + r) * rows.shape[1] for r in range(k)], g.slots, self.dequant_stream)
+            else:  # an encoding quant.direct does not decode (bnb8): the scheme's own, slot by slot
+                scheme = quant.get_scheme(g.blob.precision)
+                for r, slot in enumerate(g.slots):
+                    out = pool.tensors(slot)
+                    for name, q in self.views(g.blob, self._row(pool.index, g.row + r, g.blob.nbytes)).items():
                         scheme.dequantize(q, out=out[name])
-                else:
-                    for r in range(i, j):
-                        out = pool.tensors(g.slots[r])
-                        for name, q in self.views(g.blob, self._row(pool.index, g.row + r, g.blob.nbytes)).items():
-                            scheme.dequantize(q, out=out[name])
-                i = j
             ready = self.streams.event(timing=self.timing)
             ready.record(self.dequant_stream)
         self._dequantized(b, pool, g.slots, g.row, ready)
         self._count_time(t0)
 
-    def _stacked(self, pool: SlotPool, blob: Any, row: int, s0: int, k: int) -> tuple[dict, dict]:
-        """A stack's quantized views of transit rows ``[row, row + k)`` and its slabs' slots ``[s0, s0 + k)``."""
-        key = (pool.index, id(blob), row, s0, k)
-        got = self._stack_views.get(key)
-        if got is None:
-            if len(self._stack_views) >= self.STACK_VIEWS:
-                self._stack_views.clear()
-            rows = self.transit[pool.index][row : row + k, : blob.nbytes]  # [k, bytes]
-            got = self._stack_views[key] = (self.views(blob, rows), {n: slab[s0 : s0 + k] for n, slab in pool.slabs.items()})
-        return got
-
-    def _fetch_stack(self, pool: SlotPool, blob: Any, starts: list[int], slots: list[int]) -> Any:
-        """Decode the blobs at ``starts`` in the host pool into ``slots`` in one launch on the copy
-        stream; returns the ready event. The offsets and slots go through a pinned buffer the
-        kernel reads in place."""
+    def _fetch_stack(self, pool: SlotPool, blob: Any, src: torch.Tensor, starts: list[int], slots: list[int], stream: Any,
+                     tensors: direct.DirectExpert | None = None) -> None:
+        """Decode the blobs at byte ``starts`` of ``src`` (the host pool, or transit rows) into ``slots`` in one
+        launch on ``stream`` (``tensors``: default all of each), through a pinned buffer of offsets and slots."""
         k = len(slots)
         buf, i = self.uploads.pinned(starts + slots, torch.int64)
-        with self.streams.use(self.copy_stream):
-            direct.fetch(self.host.slab, buf[:k], self._stack_resident, self._stack_picks[:k], buf[k:],
-                         self._stack_ids[:k], self._stack_counts, self.direct_tensors(pool, blob))
-        self.uploads.read_by(i, self.copy_stream)
-        ready = self.streams.event(timing=self.timing)
-        ready.record(self.copy_stream)
-        self.stats.direct_stacks += 1
-        return ready
+        with self.streams.use(stream):
+            direct.fetch(src, buf[:k], self._stack_resident, self._stack_picks[:k], buf[k:],
+                         self._stack_ids[:k], self._stack_counts, tensors or self.direct_tensors(pool, blob))
+        self.uploads.read_by(i, stream)
 
     def _close(self, b: _Batch) -> None:
         """Issue a batch's pending dequantizations and ready events; mark its ring buffers busy."""
@@ -485,16 +472,3 @@ class Staging:
         if self.timing and b.start is not None:
             self.stats.timed("stage", b.start, b.last)
 
-
-def _direct_tensor(out: torch.Tensor, fields: list, precision: str) -> direct.DirectTensor:
-    """How ``quant.direct`` decodes one tensor's placed fields into its slab ``out``: int8 codes and
-    their scales (per column where the scales run along the last axis), 4-bit fields, or a bf16
-    copy (bf16 experts, and the tensors the lossy precisions keep exact: biases)."""
-    by = {f.spec.name: f for f in fields}
-    if precision in direct.FOUR_BIT and "data" not in by:
-        return direct.four_bit(out, precision, {n: (f.spec.dtype, f.spec.shape, f.offset) for n, f in by.items()})
-    if "qdata" not in by:
-        return direct.DirectTensor(out, by["data"].offset, None)
-    scale = by["scale"].spec
-    cols = len(scale.shape) == len(by["qdata"].spec.shape) and scale.shape[-2:-1] == (1,)
-    return direct.DirectTensor(out, by["qdata"].offset, by["scale"].offset, cols)

@@ -426,11 +426,11 @@ def test_a_direct_stack_reads_after_the_slots_last_reads_and_before_its_ready_ev
     stacks = []
     fetch = mgr.staging._fetch_stack
 
-    def spy(pool_, blob, starts, slots):
-        rec.order.append(("fetch", None, tuple(slots)))
-        ready = fetch(pool_, blob, starts, slots)
-        stacks.append((tuple(slots), ready))
-        return ready
+    def spy(pool_, blob, src, starts, slots, stream, tensors=None):
+        if src is mgr.staging.host.slab:  # a direct stack (else a decode from transit rows)
+            rec.order.append(("fetch", None, tuple(slots)))
+            stacks.append(tuple(slots))
+        fetch(pool_, blob, src, starts, slots, stream, tensors)
 
     mgr.staging._fetch_stack = spy
     layers = [L for L in mgr.manifest.layers if not mgr.resident.qualifies(L)]
@@ -444,8 +444,9 @@ def test_a_direct_stack_reads_after_the_slots_last_reads_and_before_its_ready_ev
         held = mgr.slots.acquire_layer(layer, misses)
         assert held is not None
         order = rec.order[start:]
-        for slots, ready in stacks:
+        for slots in stacks:
             at = next(i for i, o in enumerate(order) if o[0] == "fetch" and o[2] == slots)
+            ready = mgr.table.ready_event(pool.index, slots[0])
             assert len(slots) <= Staging.STACK_EXPERTS
             for s in slots:
                 ev = last_reads[s]

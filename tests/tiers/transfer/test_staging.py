@@ -39,6 +39,13 @@ def _recorded(packed, staging: int = 4, cpu: str = "int8"):
     return recorded_manager(packed, {"gpu": {"fraction": 0.4, "staging_slots": staging}, "cpu": {"fraction": 0.5, "precision": cpu}})
 
 
+
+def _dequantized(order: list, staging) -> list:
+    """The records on the dequant stream, less the index uploads' reader marks (``Uploads.read_by``):
+    one ready event per dequantization."""
+    marks = {id(e) for e in staging.uploads._events}
+    return [o for o in order if o[0] == "record" and o[1] is staging.dequant_stream and id(o[2]) not in marks]
+
 def expected(mgr, key: ExpertKey) -> dict[str, torch.Tensor]:
     """``key``'s weights as its home tier's blob in the file, dequantized alone on the manager's device."""
     return decoded(mgr.manifest.root, key, mgr.staging.precision_of(mgr.table[key]), mgr.device)
@@ -111,31 +118,27 @@ def _runs(slots: list[int]) -> list[int]:
     return out
 
 
-def test_a_scattered_stack_dequantizes_each_run_of_slots_in_one_launch_per_tensor(packed_factory, monkeypatch):
-    """A stack whose slots are not all in a row (a call's misses land in the cache's victims,
-    wherever they lie) launches one dequantization per tensor for each run of slots in a row, not
-    one per expert, and every slot still equals its blob dequantized alone."""
-    from tiers import quant
+def test_a_stack_decodes_in_one_launch_wherever_its_slots_lie(packed_factory, monkeypatch):
+    """A stack, its slots in a row or not (a call's misses land in the cache's victims, wherever
+    they lie), is decoded from its transit rows by one ``quant.direct`` launch, and every slot
+    still equals its blob dequantized alone."""
+    from tiers.quant import direct
 
     mgr = manager_of(tiers.load(packed_factory("qwen3_moe"), INT8, device="cpu", progress=False))
-    scheme = quant.get_scheme("int8")
-    launches = []
-    real = scheme.dequantize
-    monkeypatch.setattr(scheme, "dequantize", lambda q, out: (launches.append(1), real(q, out=out))[1])
-    stacks = []
-    inner = mgr.staging._dequantize
+    launches, stacks = [], []
+    real, inner = direct.fetch, mgr.staging._dequantize
+    monkeypatch.setattr(direct, "fetch", lambda *a, **k: (launches.append(1), real(*a, **k))[1])
 
     def spy(b, g):
         before = len(launches)
         inner(b, g)
-        stacks.append((list(g.slots), len(g.blob.shapes), len(launches) - before))
+        stacks.append((list(g.slots), len(launches) - before))
 
     mgr.staging._dequantize = spy
     assert staged_exactly(mgr, 60) > 60
-    mixed = [(slots, tensors, n) for slots, tensors, n in stacks if 1 < len(_runs(slots)) < len(slots)]
-    assert mixed, f"no stack with a run of slots among scattered ones: {[s for s, _, _ in stacks]}"
-    for slots, tensors, n in stacks:
-        assert n == tensors * len(_runs(slots)), f"stack over slots {slots}: {n} launches for runs {_runs(slots)}"
+    assert any(1 < len(_runs(slots)) for slots, _ in stacks), f"no scattered stack: {[s for s, _ in stacks]}"
+    assert any(len(slots) > 1 and len(_runs(slots)) == 1 for slots, _ in stacks), "no stack of slots in a row"
+    assert all(n == 1 for _, n in stacks), f"launches per stack: {stacks}"
 
 
 def _lossy_misses(mgr, layer: int) -> list[int]:
@@ -154,7 +157,7 @@ def test_a_batch_dequantizes_once_per_stack_after_all_its_copies(packed_factory,
     order = rec.order[start:]
     copies = [i for i, o in enumerate(order) if o[0] == "use" and o[1] is staging.copy_stream]
     dq_waits = [i for i, o in enumerate(order) if o[0] == "wait" and o[1] is staging.dequant_stream]
-    readies = [o[2] for o in order if o[0] == "record" and o[1] is staging.dequant_stream]
+    readies = [o[2] for o in _dequantized(order, staging)]
     stacks = -(-len(misses) // limit)
     assert len(copies) == len(misses), "one copy per miss, each queued as its miss is claimed"
     assert len(dq_waits) == len(readies) == stacks
@@ -181,7 +184,7 @@ def test_an_expert_too_large_to_stack_goes_up_one_tensor_at_a_time(packed_factor
     order = rec.order[start:]
     landed = {id(o[2]): i for i, o in enumerate(order) if o[0] == "record" and o[1] is staging.copy_stream}
     dq_waits = [(i, o[2]) for i, o in enumerate(order) if o[0] == "wait" and o[1] is staging.dequant_stream]
-    readies = [o[2] for o in order if o[0] == "record" and o[1] is staging.dequant_stream]
+    readies = [o[2] for o in _dequantized(order, staging)]
     copies = [i for i, o in enumerate(order) if o[0] == "use" and o[1] is staging.copy_stream]
     assert len(readies) == len(misses) and len(dq_waits) == tensors * len(misses)
     for i, ev in dq_waits:
@@ -316,7 +319,7 @@ def test_dequantization_runs_on_its_own_stream_after_the_copy(packed_factory):
     order = rec.order
     recorded_on = {id(o[2]): o[1] for o in order if o[0] == "record"}
     dq_waits = [o for o in order if o[0] == "wait" and o[1] is staging.dequant_stream]
-    readies = [o for o in order if o[0] == "record" and o[1] is staging.dequant_stream]
+    readies = _dequantized(order, staging)
     assert readies and len(dq_waits) == len(readies), "one wait per dequantization"
     assert all(recorded_on[id(o[2])] is staging.copy_stream for o in dq_waits), "the dequant stream waits on the copy only"
     for i, o in enumerate(order):  # each such wait comes after its event was recorded
