@@ -6,9 +6,9 @@ and ``qualifies``, which tensors it takes.
 Why: decoding a quantized hot expert into a bf16 slot before its product writes the slot and
 reads it again, four times its int4 bytes each way, to multiply a handful of rows; a fused
 product reads the int4 bytes once. On the H200, one token's two Mixtral-8x7B experts (96 MB of
-int4 each, 352 MB in bf16) took 0.173 ms fused, 0.204 in bf16 in place and 0.473 decoded into
-slots first (``experiments/results/fused4_rate.json``, with int4's former statistics); the
-kernel is bound by its arithmetic there, its bytes bound being 0.046 ms.
+int4 each, 352 MB in bf16) took 0.179 ms fused, 0.211 in bf16 in place and 0.471 decoded into
+slots first (``experiments/results/fused4_rate.json``); the kernel is bound by its arithmetic
+there, its bytes bound being 0.046 ms.
 
 What it computes: ``out[j] = x[j // per] @ W[picks[j]]^T``, where ``W[e]`` is expert ``e``'s int4
 weight as ``quant.int4`` decodes it in fp32 (the slots hold it rounded to bf16), products and

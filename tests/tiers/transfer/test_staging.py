@@ -1,8 +1,7 @@
 """Staging (tiers.transfer.staging): a layer call's copies into its slots, batched, dequantized in stacks.
 
-Checked here: the stacked dequantization is exact (each slot equals its blob dequantized alone),
-both of its paths run (slots in a row: one launch per tensor over the stacked transit rows;
-scattered: one launch per tensor for each run of slots in a row, a lone slot on its own), a
+Checked here: the stacked dequantization is exact (each slot equals its blob dequantized alone)
+for stacks of slots in a row and of scattered ones, each one ``quant.direct`` launch, a
 batch waits once per stack and issues one ready event for it, a transit row is rewritten only
 after the copy stream waited for the last dequantization that read it, dequantization runs on
 its own stream after the copy, and a read that fails half-way through a batch leaves the writes
