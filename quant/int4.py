@@ -160,25 +160,40 @@ def fit(x: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.T
     best = torch.full_like(rs, float("inf"))  # [n, 1]
     best_k = torch.zeros_like(rs, dtype=torch.long)
     best_z = torch.zeros_like(rs)
-    for centre in (_nearest_code(s0, r), _nearest_code(s1, r)):  # [n, 1] each
+    c0, c1 = _nearest_code(s0, r), _nearest_code(s1, r)  # [n, 1] each
+    lo, hi = (c0 - SEARCH).clamp(0, 255), (c0 + SEARCH).clamp(0, 255)  # the codes the first window tries
+    for centre, first in ((c0, True), (c1, False)):
         for d in range(-SEARCH, SEARCH + 1):
             k = (centre + d).clamp_(0, 255)  # [n, 1]
-            m = group_scale(rs, k) * unit  # [n, 1]: the group scale, times 2^-e
-            ok = m > 0
-            us = torch.where(ok, u / m, 0.0)  # [n, G]
-            zc = torch.where(ok, LEVELS / 2 - mid / m, 0.0).round_()  # [n, 1]: the zero point that centres the group
-            z = (zc + window).clamp_(0, LEVELS)[:, :, None]  # [n, Z, 1]
-            q = (us[:, None, :] + z).round_().clamp_(0, LEVELS)  # [n, Z, G]
-            err = ((q - z) * m[:, :, None] - u[:, None, :]).pow_(2).sum(-1)  # [n, Z]
-            e, i = err.min(dim=1, keepdim=True)  # [n, 1] each
-            take = e < best
-            best = torch.where(take, e, best)
-            best_k = torch.where(take, k, best_k)
-            best_z = torch.where(take, z[:, :, 0].gather(1, i), best_z)
+            # the second window tries only codes the first did not: a code tried again errs as much, and is never taken
+            rows = slice(None) if first else ((k < lo) | (k > hi))[:, 0].nonzero()[:, 0]
+            if not first and rows.numel() == 0:
+                continue
+            e, z = _candidate(u[rows], rs[rows], unit[rows], mid[rows], window, k[rows])  # [m, 1] each
+            take = e < best[rows]
+            best[rows] = torch.where(take, e, best[rows])
+            best_k[rows] = torch.where(take, k[rows], best_k[rows])
+            best_z[rows] = torch.where(take, z, best_z[rows])
     best_k, best_z = torch.where(live, best_k, 0), torch.where(live, best_z, 0.0)  # a row of zeros: all fields 0
     q = round_codes(x, group_scale(rs, best_k), best_z)  # [n, G]
     low = torch.minimum(q.amin(dim=1, keepdim=True), best_z)  # [n, 1]: codes and zero point this much lower decode the same;
     return q - low, best_k.to(torch.uint8), (best_z - low).to(torch.uint8)  # the lowest such zero point is kept (see SEARCH)
+
+
+def _candidate(u: torch.Tensor, rs: torch.Tensor, unit: torch.Tensor, mid: torch.Tensor, window: torch.Tensor,
+               k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scale codes ``k`` ``[n, 1]`` of the groups ``u`` ``[n, G]`` (``fit``'s rescaled groups, their
+    row scales ``rs``, ``unit`` and midpoints ``mid``): the least squared error over the zero points
+    ``window`` around the centring one, and that zero point (the first of equal errors), ``[n, 1]`` each."""
+    m = group_scale(rs, k) * unit  # [n, 1]: the group scale, times 2^-e
+    ok = m > 0
+    us = torch.where(ok, u / m, 0.0)  # [n, G]
+    zc = torch.where(ok, LEVELS / 2 - mid / m, 0.0).round_()  # [n, 1]: the zero point that centres the group
+    z = (zc + window).clamp_(0, LEVELS)[:, :, None]  # [n, Z, 1]
+    q = (us[:, None, :] + z).round_().clamp_(0, LEVELS)  # [n, Z, G]
+    err = ((q - z) * m[:, :, None] - u[:, None, :]).pow_(2).sum(-1)  # [n, Z]
+    e, i = err.min(dim=1, keepdim=True)  # [n, 1] each
+    return e, z[:, :, 0].gather(1, i)
 
 
 def group_params(x: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

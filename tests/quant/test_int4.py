@@ -206,6 +206,41 @@ def test_the_fit_is_never_worse_than_round_to_nearest(case):
     assert (out.reshape(-1, g)[zero_groups] == 0).all(), "an all-zero group decodes to exact zeros"
 
 
+
+def _fit_tried_in_full(x: torch.Tensor, row_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``int4.fit`` as its docstring states it, every code of both windows tried in turn (the first
+    of equal errors kept): the reference for the fit, which skips codes the first window tried."""
+    rs = row_scale.float()[:, None]
+    unit = torch.ldexp(torch.ones_like(rs), -torch.frexp(rs).exponent)
+    u = x * unit
+    s0, off0 = int4._rtn(u)
+    s1, _ = int4._least_squares(u, s0, off0)
+    mid = (u.amax(1, keepdim=True) + u.amin(1, keepdim=True)) / 2
+    window = torch.arange(-int4.ZERO_SEARCH, int4.ZERO_SEARCH + 1, dtype=torch.float32)
+    best, best_k, best_z = torch.full_like(rs, float("inf")), torch.zeros_like(rs, dtype=torch.long), torch.zeros_like(rs)
+    for centre in (int4._nearest_code(s0, rs * unit), int4._nearest_code(s1, rs * unit)):
+        for d in range(-int4.SEARCH, int4.SEARCH + 1):
+            k = (centre + d).clamp(0, 255)
+            e, z = int4._candidate(u, rs, unit, mid, window, k)
+            take = e < best
+            best, best_k, best_z = torch.where(take, e, best), torch.where(take, k, best_k), torch.where(take, z, best_z)
+    live = rs > 0
+    best_k, best_z = torch.where(live, best_k, 0), torch.where(live, best_z, 0.0)
+    q = int4.round_codes(x, int4.group_scale(rs, best_k), best_z)
+    low = torch.minimum(q.amin(1, keepdim=True), best_z)
+    return q - low, best_k.to(torch.uint8), (best_z - low).to(torch.uint8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=groups())
+def test_the_fit_equals_trying_both_windows_in_full(case):
+    """Skipping the second window's codes that the first tried changes nothing, code for code."""
+    w, g = case
+    x = w.float().reshape(-1, g)
+    rs = int4.row_scales(w.float(), g).repeat_interleave(w.shape[1] // g)
+    for got, want in zip(int4.fit(x, rs), _fit_tried_in_full(x, rs)):
+        assert torch.equal(got, want)
+
 def test_constant_and_one_signed_groups_keep_their_values():
     """A constant group (any sign) and 0 are exact on the grid the fit finds; a group of one sign
     keeps its sign, its extreme values within half a step."""
