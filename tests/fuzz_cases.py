@@ -64,6 +64,7 @@ class Watch:
     def __init__(self) -> None:
         self.active = self.paused = False
         self.pauses = 0
+        self.map_checks = 0  # samples of the mappings checked so far
         self.dirs: tuple[str, ...] = ()
         self.files: frozenset[str] = frozenset()
         self.seen: list[str] = []
@@ -127,7 +128,9 @@ class Watch:
             for fd, target in fds.items():
                 if self._base_fds.get(fd) != target and target.startswith("/"):
                     self.check(target.removesuffix(" (deleted)"), resolve=False)
-            self._check_maps(maps)
+            if maps:
+                self._check_maps(maps)
+                self.map_checks += 1
 
     def _check_maps(self, maps: set[str]) -> None:
         for path in maps - self._base_maps:

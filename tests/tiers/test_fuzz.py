@@ -87,7 +87,11 @@ def test_the_watch_sees_python_and_native_opens_outside(tmp_path):
 def _native(path) -> None:
     with safetensors.safe_open(path, framework="pt") as f:
         f.get_tensor("x")
-        time.sleep(0.05)  # the watch samples the mappings every 10 ms
+        # held mapped until the watch has checked the mappings twice since (it samples them every 10 ms,
+        # but on two busy cores its thread once waited past a fixed 50 ms, and the test failed)
+        checks, deadline = WATCH.map_checks, time.monotonic() + 10
+        while WATCH.map_checks < checks + 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 # Fake loads, each misbehaving in one way: (the real load, a file outside the pack) -> a load.
