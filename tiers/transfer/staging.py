@@ -318,7 +318,8 @@ class Staging:
         tensor dequantized into the slot once its own copy has landed; one ready event."""
         pi = pool.index
         buf = self._row(pi, row, blob.nbytes)
-        views, out, kernel = self.views(blob, buf), pool.tensors(slot), self.direct_tensors(pool, blob) is not None
+        kernel = self.direct_tensors(pool, blob) is not None
+        views, out = (None, None) if kernel else (self.views(blob, buf), pool.tensors(slot))  # the scheme's path alone
         with self.streams.use(self.copy_stream):
             self._mark_start(b)
             self._check_pinned(src)
@@ -331,8 +332,7 @@ class Staging:
             with self.streams.use(self.dequant_stream):
                 self.dequant_stream.wait_event(landed)
                 if kernel:
-                    self._fetch_stack(pool, blob, self.transit[pi].view(-1), [row * self.transit[pi].shape[1]], [slot],
-                                      self.dequant_stream, self._tensor_of(pool, blob, name))
+                    self._decode_rows(pool, blob, row, [slot], self._tensor_of(pool, blob, name))
                 else:
                     scheme.dequantize(views[name], out=out[name])
         with self.streams.use(self.dequant_stream):
@@ -416,7 +416,7 @@ class Staging:
         """Dequantize a stack (consecutive transit rows of one pool) into its slots on the dequant
         stream after its copies land, one ready event for all; a direct stack is one
         ``quant.direct.fetch`` launch on the copy stream."""
-        pool, k, t0 = g.pool, len(g.slots), self.clock()
+        pool, t0 = g.pool, self.clock()
         if g.starts is not None:
             self._fetch_stack(pool, g.blob, self.host.slab, g.starts, g.slots, self.copy_stream)
             ready = self.streams.event(timing=self.timing)
@@ -430,9 +430,8 @@ class Staging:
         landed.record(self.copy_stream)
         with self.streams.use(self.dequant_stream):
             self.dequant_stream.wait_event(landed)
-            rows = self.transit[pool.index]
             if self.direct_tensors(pool, g.blob) is not None:  # one launch reads the stack's transit rows
-                self._fetch_stack(pool, g.blob, rows.view(-1), [(g.row + r) * rows.shape[1] for r in range(k)], g.slots, self.dequant_stream)
+                self._decode_rows(pool, g.blob, g.row, g.slots)
             else:  # an encoding quant.direct does not decode (bnb8): the scheme's own, slot by slot
                 scheme = quant.get_scheme(g.blob.precision)
                 for r, slot in enumerate(g.slots):
@@ -443,6 +442,11 @@ class Staging:
             ready.record(self.dequant_stream)
         self._dequantized(b, pool, g.slots, g.row, ready)
         self._count_time(t0)
+
+    def _decode_rows(self, pool: SlotPool, blob: Any, row: int, slots: list[int], tensors: direct.DirectExpert | None = None) -> None:
+        """``quant.direct`` decodes transit rows ``[row, row + len(slots))`` into ``slots`` on the dequant stream."""
+        rows = self.transit[pool.index]
+        self._fetch_stack(pool, blob, rows.view(-1), [(row + r) * rows.shape[1] for r in range(len(slots))], slots, self.dequant_stream, tensors)
 
     def _fetch_stack(self, pool: SlotPool, blob: Any, src: torch.Tensor, starts: list[int], slots: list[int], stream: Any,
                      tensors: direct.DirectExpert | None = None) -> None:
