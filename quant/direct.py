@@ -47,7 +47,7 @@ FIELDS = {"bf16": ("data", None), "int8": ("qdata", "scale")}
 FOUR_BIT = ("int4", "nf4", "mxfp4")  # decoded from their own fields (``four_bit``)
 QUANTIZED_HOT = -2  # ``resident`` of an expert whose blob is in ``dev`` (not a slot, not the host pool)
 BLOCK = 8192  # elements one program of the kernel decodes
-TILE_R, TILE_C = 4, 1024  # rows and codes of a row one program of the 4-bit kernel decodes (experiments/results/direct4_rate.json)
+TILE_R, TILE_C = 8, 2048  # rows and codes of a row one program of the 4-bit kernel decodes (experiments/results/direct4_rate-wide.json)
 MAX_BLOCKS = 65535  # programs per pick: the kernel's second grid dimension, as CUDA bounds it
 
 

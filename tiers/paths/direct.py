@@ -22,8 +22,10 @@ are all int4 hot decodes into no slot at all: ``quant.fused4`` multiplies by the
 (``_run_fused``), and such a layer runs direct whatever slots are reserved. Where the
 host-routed path would copy a pool's experts with the copy engine (above ``STACK_BYTES``), a
 stage runs direct only while the pool's last decode stage missed fewer than ``MISS_BYTES`` per
-layer call: read by the SMs, Mixtral-8x7B's 168 MiB experts cost more device time than copied
+layer call: read by the SMs, Mixtral-8x7B's 168 MiB INT8 experts cost more device time than copied
 (6-12% slower per token in arms missing 1.2-1.7 experts per call, 14% faster in one missing 0.46).
+A pool whose misses decode from 4-bit blobs runs direct in every stage: its 92 MiB int4 experts,
+missing 1.9 a call, decoded 6% faster read direct than copied (``experiments/decode_marks.py``).
 
 Slot rule: at ``begin_stage`` the table reserves staging slots of each pool with a qualifying
 layer (``Table.reserve``, "direct"): all of them when every layer of the pool runs direct, else
@@ -83,6 +85,7 @@ class DirectPath:
         self._caches: dict[tuple[int, tuple[int, ...]], direct.SlotCache] = {}  # kept across stages: the graphs keep them
         self._counts: dict[int, torch.Tensor] = {}  # pool -> int64 [8]: resident, decoded, cached, quantized hot decoded picks; the same inside step graphs
         self._miss_bytes: dict[int, int] = {}  # pool -> transfer-form bytes a decoded pick reads
+        self._four_bit: set[int] = set()  # pools whose decoded picks read 4-bit blobs: direct whatever they miss
         grid = mgr.table.grid
         self.usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=mgr.device) if mgr.rebalancer else None
         self.usage_pending = False  # a direct call may have counted picks since the last take
@@ -130,6 +133,8 @@ class DirectPath:
                 self._resident = torch.full((len(t.grid.layers), t.grid.width), -1, dtype=torch.int32, device=mgr.device)
             counts = self._counts.setdefault(pool.index, torch.zeros(8, dtype=torch.int64, device=mgr.device))
             self._miss_bytes[pool.index] = blob.nbytes
+            if blob.precision in direct.FOUR_BIT:
+                self._four_bit.add(pool.index)
             usage = None if self.usage is None else self.usage[row, :n]
             tensors = mgr.staging.direct_tensors(pool, blob)
             fused = _fused(tensors, blob) if pooled.all() and usage is None else None  # fused calls count no usage
@@ -195,7 +200,8 @@ class DirectPath:
         self.staged = True
         mgr.slots.drain()  # read-aheads hold slots until they land
         compute, grid = mgr.streams.current(), mgr.table.grid
-        skip = {p for p, mean in self.miss_bytes_per_call.items() if mean >= self.MISS_BYTES and self._miss_bytes.get(p, 0) > STACK_BYTES}
+        skip = {p for p, mean in self.miss_bytes_per_call.items()
+                if mean >= self.MISS_BYTES and self._miss_bytes.get(p, 0) > STACK_BYTES and p not in self._four_bit}
         for pool in {d.pool.index: d.pool for d in self.layers.values()}.values():
             self._stage_start[pool.index] = (mgr.staging.staged_bytes[pool.index], self._counts[pool.index].clone())
             if pool.index in skip:

@@ -276,6 +276,27 @@ def test_decode_stages_choose_their_path_by_the_last_stages_miss_bytes(large, de
     assert len(calls) == layers * steps and reserved == [True]
 
 
+@pytest.mark.parametrize("precision", ["int4", "nf4", "int8"])
+def test_four_bit_pools_decode_direct_whatever_they_miss(precision, device, packed_factory, monkeypatch):
+    """Experts above ``STACK_BYTES`` whose first stage missed ``MISS_BYTES`` or more per call: an
+    INT8 pool's next stage goes host-routed, a 4-bit pool's stays direct (its SMs' reads beat
+    the copy engine's copies and decode, ``DirectPath``)."""
+    if precision == "nf4":
+        pytest.importorskip("bitsandbytes")
+    monkeypatch.setattr(direct_mod, "STACK_BYTES", 1024)
+    monkeypatch.setattr(staging_mod, "STACK_BYTES", 1024)
+    monkeypatch.setattr(DirectPath, "MISS_BYTES", 1)  # any miss: an INT8 pool's next stage is host-routed
+    cfg = {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": precision}, "nvme": {"precision": precision}}
+    model, mgr = _load(packed_factory("mixtral", ("bf16", precision)), cfg, device)
+    calls = _count_direct(monkeypatch, mgr)
+    ids, steps = prompt(device, batch=1), len(mgr.manifest.layers) * (GEN["max_new_tokens"] - 1)
+    first = model.generate(ids, **GEN)
+    assert len(calls) == steps and mgr.direct.served()[2] > 0, "the first stage runs direct and misses"
+    calls.clear()
+    assert_generate_equal(first, model.generate(ids, **GEN))
+    assert len(calls) == (0 if precision == "int8" else steps)
+
+
 def test_large_experts_decode_direct_exactly_without_stacks(device, checkpoint_factory, packed_factory, monkeypatch):
     """Experts above ``STACK_BYTES`` (as Mixtral-8x7B's in the bench) decode direct in a first
     stage, each miss's slot holding exactly its blob, and the logits equal the untiered model's;
