@@ -74,7 +74,7 @@ def test_tiny_bench_runs_and_reports(tmp_path):
 
 def test_graphs_flag_reaches_the_tiers_arms(tmp_path):
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "2",
-                     "--arms", "tiers_25_int8", "--graphs", "off", "--out", str(tmp_path)])
+                     "--interleave", "0", "--no-attention-warmup", "--arms", "tiers_25_int8", "--graphs", "off", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
     assert r["arms"]["tiers_25_int8"]["config"]["tiers"]["gpu"]["graphs"] is False
@@ -155,7 +155,7 @@ def test_lazy_arm_computes_what_eager_computes(model_type):
 
 def test_skewed_arms_route_by_the_trace_and_rebalance(tmp_path):
     rc = bench.main(["--tiny", "--tokens", "4", "--prefill", "16", "--reps", "1", "--device", "cpu", "--rebalance-every", "2",
-                     "--prefill-marks", "2",
+                     "--prefill-marks", "2", "--interleave", "0", "--no-attention-warmup",
                      "--arms", "all_gpu,all_gpu@skewed,tiers_25_int8@skewed,tiers_25_int8@skewed_norebal", "--out", str(tmp_path)])
     assert rc == 0
     r = json.loads((tmp_path / "bench-mixtral-tiny.json").read_text())
@@ -288,7 +288,8 @@ def test_only_rebalancing_skewed_arms_get_the_rebalancer_warm_up(tmp_path, monke
     for arm in ("tiers_25_int8@skewed", "tiers_25_int8@skewed_norebal"):
         calls.clear()
         rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5",
-                         "--rebalance-every", "2", "--rebalance-warmup", "150", "--arms", arm, "--out", str(tmp_path)])
+                         "--rebalance-every", "2", "--rebalance-warmup", "150", "--interleave", "0", "--no-attention-warmup",
+                         "--arms", arm, "--out", str(tmp_path)])
         assert rc == 0
         tiers_calls = [n for who, n in calls if who == "tiers"]
         first_timed = tiers_calls.index(1)
@@ -515,7 +516,7 @@ def test_a_routed_arm_loads_what_its_skewed_arm_counted(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tiers_pkg, "load", spy)
     rc = bench.main(["--tiny", "--tokens", "2", "--prefill", "16", "--reps", "1", "--device", "cpu", "--warmup-tokens", "5",
-                     "--rebalance-every", "2", "--rebalance-warmup", "64", "--interleave", "0",
+                     "--rebalance-every", "2", "--rebalance-warmup", "64", "--interleave", "0", "--no-attention-warmup",
                      "--arms", "tiers_25_int8@skewed,tiers_25_int8@skewed_routed", "--out", str(tmp_path)])
     assert rc == 0
     assert len(loads) == 2 and loads[0] is None
