@@ -20,8 +20,11 @@ token after the first:
 - ``between_ms``: device time from a call's end to the next call's start (the next layer's
   attention, norms and router).
 
-``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded) and are
-timed as a whole (their step graphs hide the layers).
+``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
+graphs hide the layers, so they are timed as a whole unless ``~nograph`` turns graphs off. Then
+each direct call gives ``fetch_ms`` (device time of its plan and fetch launches, which read its
+misses), ``products_ms`` (from there to the call's end) and ``between_ms``; the rate of the
+fetches is the arm's bytes per call over ``fetch_ms`` (``fetch_gb_s``).
 """
 import os
 import sys
@@ -70,6 +73,7 @@ def instrument(model, mgr, marks) -> list:
             first[0] = False
 
     wrap(mgr, "count_call", before=routed)
+    wrap(mgr.direct, "_fetch", before=lambda: marks.mark("fetch", marks.layer), after=lambda: marks.mark("fetch_end", marks.layer))
     wrap(staging, "write", before=write)
     wrap(staging, "_close", after=lambda: marks.mark("copy_end", marks.layer, staging.copy_stream))
     return undo
@@ -91,11 +95,14 @@ def split(resolved: list, layers: int) -> dict:
             by.setdefault(L, {}).setdefault(w, (h, d))
         for L in range(layers):
             m = by.get(L, {})
-            if not all(k in m for k in ("experts", "routed", "copy_q", "copy_end", "experts_end")):
+            if all(k in m for k in ("experts", "routed", "copy_q", "copy_end", "experts_end")):  # host-routed
+                row = {"sync_ms": m["routed"][0] - m["experts"][0], "plan_ms": m["copy_q"][0] - m["routed"][0],
+                       "queue_ms": m["experts_end"][0] - m["copy_q"][0], "gpu_idle_ms": m["copy_q"][1] - m["experts"][1],
+                       "copy_ms": m["copy_end"][1] - m["copy_q"][1], "tail_ms": m["experts_end"][1] - m["copy_end"][1]}
+            elif all(k in m for k in ("experts", "fetch", "fetch_end", "experts_end")):  # direct, graphs off
+                row = {"fetch_ms": m["fetch_end"][1] - m["fetch"][1], "products_ms": m["experts_end"][1] - m["fetch_end"][1]}
+            else:
                 continue
-            row = {"sync_ms": m["routed"][0] - m["experts"][0], "plan_ms": m["copy_q"][0] - m["routed"][0],
-                   "queue_ms": m["experts_end"][0] - m["copy_q"][0], "gpu_idle_ms": m["copy_q"][1] - m["experts"][1],
-                   "copy_ms": m["copy_end"][1] - m["copy_q"][1], "tail_ms": m["experts_end"][1] - m["copy_end"][1]}
             nxt = by.get(L + 1, {}).get("experts")
             if nxt is not None:
                 row["between_ms"] = nxt[1] - m["experts_end"][1]
@@ -118,11 +125,16 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
     flags = SimpleNamespace(staging_slots="auto", graphs="on", rebalance_every=0)
     cfg = tiers_config(base, flags, expert_bytes, packed, top_k)
     was = DirectPath.MISS_BYTES
-    if variant == "direct":
+    variants = set(variant.split("~")) - {""}
+    if "nograph" in variants:
+        cfg["tiers"]["gpu"]["graphs"] = False
+    if "direct" in variants:
         DirectPath.MISS_BYTES = float("inf")
     try:
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
+        if device.type == "cpu" and "direct" in variants:  # a smoke run: the torch reference stands in for the kernel
+            mgr.batched_decode = mgr.staging.direct_reads = mgr.direct.enabled = True
         m.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         ms = decode_ms_per_token(m, prompt, args.tokens, device, 3)
         mgr.reset_stats()
@@ -130,7 +142,7 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
         moved = sum(tiers.stats(m).bytes_moved.values()) / args.tokens
         row = {"decode_ms_per_token": round(ms, 3), "mib_moved_per_token": round(moved / 2**20, 1),
                "bytes_ms_per_token": round(moved / 55e9 * 1e3, 3)}
-        if variant != "direct":
+        if "direct" not in variants or "nograph" in variants:
             marks = Marks(device.type == "cuda")
             undo = instrument(m, mgr, marks)
             marks.on = True
@@ -139,6 +151,8 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
             for u in reversed(undo):
                 u()
             row["calls"] = split(marks.resolved(), args.layers)
+            if row["calls"].get("fetch_ms", 0) > 0:
+                row["fetch_gb_s"] = round(moved / args.layers / row["calls"]["fetch_ms"] / 1e6, 1)
         mgr.close()
         return row
     finally:
