@@ -84,8 +84,7 @@ class DirectPath:
         self.staged = False  # a decode stage runs with tables built (``begin_stage``)
         self._caches: dict[tuple[int, tuple[int, ...]], direct.SlotCache] = {}  # kept across stages: the graphs keep them
         self._counts: dict[int, torch.Tensor] = {}  # pool -> int64 [8]: resident, decoded, cached, quantized hot decoded picks; the same inside step graphs
-        self._miss_bytes: dict[int, int] = {}  # pool -> transfer-form bytes a decoded pick reads
-        self._four_bit: set[int] = set()  # pools whose decoded picks read 4-bit blobs: direct whatever they miss
+        self._miss_blob: dict[int, Any] = {}  # pool -> the blob layout a decoded pick reads (its transfer-form bytes, its precision)
         grid = mgr.table.grid
         self.usage = torch.zeros((len(grid.layers), grid.width), dtype=torch.int64, device=mgr.device) if mgr.rebalancer else None
         self.usage_pending = False  # a direct call may have counted picks since the last take
@@ -132,9 +131,7 @@ class DirectPath:
                 self._starts = torch.zeros((len(t.grid.layers), t.grid.width), dtype=torch.int64, device=mgr.device)
                 self._resident = torch.full((len(t.grid.layers), t.grid.width), -1, dtype=torch.int32, device=mgr.device)
             counts = self._counts.setdefault(pool.index, torch.zeros(8, dtype=torch.int64, device=mgr.device))
-            self._miss_bytes[pool.index] = blob.nbytes
-            if blob.precision in direct.FOUR_BIT:
-                self._four_bit.add(pool.index)
+            self._miss_blob[pool.index] = blob
             usage = None if self.usage is None else self.usage[row, :n]
             tensors = mgr.staging.direct_tensors(pool, blob)
             fused = _fused(tensors, blob) if pooled.all() and usage is None else None  # fused calls count no usage
@@ -200,8 +197,7 @@ class DirectPath:
         self.staged = True
         mgr.slots.drain()  # read-aheads hold slots until they land
         compute, grid = mgr.streams.current(), mgr.table.grid
-        skip = {p for p, mean in self.miss_bytes_per_call.items()
-                if mean >= self.MISS_BYTES and self._miss_bytes.get(p, 0) > STACK_BYTES and p not in self._four_bit}
+        skip = {p for p, mean in self.miss_bytes_per_call.items() if mean >= self.MISS_BYTES and self._copies_win(p)}
         for pool in {d.pool.index: d.pool for d in self.layers.values()}.values():
             self._stage_start[pool.index] = (mgr.staging.staged_bytes[pool.index], self._counts[pool.index].clone())
             if pool.index in skip:
@@ -219,6 +215,12 @@ class DirectPath:
             cache.clear()  # the slots' contents are the host-routed path's leftovers
             self.reserved[pool.index] = _Reserved(cache, every)
 
+    def _copies_win(self, pool: int) -> bool:
+        """Whether the host-routed path's copies can beat direct reads of ``pool``'s misses, given
+        enough miss bytes a call: experts above ``STACK_BYTES``, not 4-bit (the module docstring)."""
+        blob = self._miss_blob[pool]
+        return blob.nbytes > STACK_BYTES and blob.precision not in direct.FOUR_BIT
+
     def end_stage(self) -> None:
         """Give the reserved slots back, and keep each pool's mean miss bytes per decode layer call
         for the next stage's choice (one sync, for the direct calls' device counters)."""
@@ -233,7 +235,7 @@ class DirectPath:
                 staged = self.mgr.staging.staged_bytes[p] - self._stage_start[p][0]
                 calls = self._stage_calls.get(p, 0)
                 if calls:
-                    self.miss_bytes_per_call[p] = (staged + max(n, 0) * self._miss_bytes[p]) / calls
+                    self.miss_bytes_per_call[p] = (staged + max(n, 0) * self._miss_blob[p].nbytes) / calls
         self._stage_start.clear()
         self._stage_calls.clear()
 
@@ -380,7 +382,7 @@ class DirectPath:
         hits = misses = moved = untimed = 0
         for p, counts in self._counts.items():
             h, m, c, q, sh, sm, sc, sq = counts.tolist()  # q: decodes of quantized hot experts, from the GPU
-            per = self._miss_bytes[p]
+            per = self._miss_blob[p].nbytes
             m, sm = m - q, sm - sq
             hits, misses, moved, untimed = hits + h + c + q + sh + sc + sq, misses + m + sm, moved + (m + sm) * per, untimed + sm * per
         return hits, misses, moved, untimed
