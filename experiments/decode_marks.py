@@ -44,38 +44,28 @@ import torch  # noqa: E402
 def instrument(model, mgr, marks) -> list:
     """Marks of each host-routed call: the experts call's start and end, the sync's return, the
     first copy queued and the batch's close (copy stream); returns the undo callables."""
-    from tiers.tools.timeline import hook_layers
+    from tiers.tools.timeline import hook_layers, wrap_call
 
     undo = hook_layers(model, marks)
     staging = mgr.staging
     first = [True]
 
-    def wrap(obj, attr, before=None, after=None):
-        fn = getattr(obj, attr)
-
-        def wrapped(*a, **k):
-            if before:
-                before()
-            out = fn(*a, **k)
-            if after:
-                after()
-            return out
-        setattr(obj, attr, wrapped)
-        undo.append(lambda: delattr(obj, attr))
-
-    def routed():
+    def routed(*_a, **_k):
         marks.mark("routed", marks.layer)
         first[0] = True
 
-    def write():
+    def write(*_a, **_k):
         if first[0]:
             marks.mark("copy_q", marks.layer, staging.copy_stream)
             first[0] = False
 
-    wrap(mgr, "count_call", before=routed)
-    wrap(mgr.direct, "_fetch", before=lambda: marks.mark("fetch", marks.layer), after=lambda: marks.mark("fetch_end", marks.layer))
-    wrap(staging, "write", before=write)
-    wrap(staging, "_close", after=lambda: marks.mark("copy_end", marks.layer, staging.copy_stream))
+    def mark(what: str, stream=None):
+        return lambda *_a, **_k: marks.mark(what, marks.layer, stream)
+
+    undo += [wrap_call(mgr, "count_call", before=routed),
+             wrap_call(mgr.direct, "_fetch", before=mark("fetch"), after=mark("fetch_end")),
+             wrap_call(staging, "write", before=write),
+             wrap_call(staging, "_close", after=mark("copy_end", staging.copy_stream))]
     return undo
 
 

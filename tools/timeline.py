@@ -119,6 +119,22 @@ def hook_layers(model, marks: Marks) -> list:
     return undo
 
 
+def wrap_call(obj, attr: str, before=None, after=None):
+    """Replace ``obj.attr`` by a wrapper that calls ``before`` and ``after`` (each with the call's
+    arguments) around it; returns the callable that undoes it."""
+    fn = getattr(obj, attr)
+
+    def wrapped(*a, **k):
+        if before:
+            before(*a, **k)
+        out = fn(*a, **k)
+        if after:
+            after(*a, **k)
+        return out
+    setattr(obj, attr, wrapped)
+    return lambda: delattr(obj, attr)
+
+
 def instrument(model, mgr, marks: Marks) -> list:
     """Hooks and wrappers that mark a Tiers ``model``'s prefill; returns the undo callables."""
     undo = hook_layers(model, marks)
@@ -126,17 +142,7 @@ def instrument(model, mgr, marks: Marks) -> list:
     pending: list = []  # the layer of a part whose first read is not queued yet
 
     def wrap(obj, attr: str, before=None, after=None) -> None:
-        fn = getattr(obj, attr)
-
-        def wrapped(*a, **k):
-            if before:
-                before(*a, **k)
-            out = fn(*a, **k)
-            if after:
-                after(*a, **k)
-            return out
-        setattr(obj, attr, wrapped)
-        undo.append(lambda: delattr(obj, attr))
+        undo.append(wrap_call(obj, attr, before, after))
 
     def part_begins(s, p):
         pending[:] = [s.layer]
