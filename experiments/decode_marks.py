@@ -1,7 +1,8 @@
 """Where does a host-routed decode layer call's time go, beside its copies?
 
     PYTHONPATH=. python3 experiments/decode_marks.py [--model mixtral] [--layers 4] [--tokens 16]
-                                                     [--arms tiers_25_int4,tiers_25_int4~direct] --out FILE
+                                                     [--arms tiers_25_int4,tiers_25_int4~direct]
+                                                     [--kernels] [--steps] [--trace N] --out FILE
 
 On a CUDA machine. Builds the model's shapes with random weights, packs the arms' precisions and
 loads each arm as ``tools/bench.py`` does (``tools.bench_arms.tiers_config``). For each arm, the
@@ -25,6 +26,13 @@ graphs hide the layers, so they are timed as a whole unless ``~nograph`` turns g
 each direct call gives ``fetch_ms`` (device time of its plan and fetch launches, which read its
 misses), ``products_ms`` (from there to the call's end) and ``between_ms``; the rate of the
 fetches is the arm's bytes per call over ``fetch_ms`` (``fetch_gb_s``).
+
+Options for arms run as step graphs, where the marks see nothing: ``--kernels`` gives each
+kernel's device time per decode token (torch's profiler, which CUPTI feeds with the kernels a graph
+replays), the time some engine was busy, and the idle time by the pair of events around it;
+``--steps`` each decode step's wall time and a cProfile of a generate; ``--trace N`` the host's
+``cudaGraphLaunch`` time for each step graph and when the device starts it (the raw events beside
+the output file, not kept in the repository).
 """
 import os
 import sys
@@ -35,6 +43,7 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
@@ -103,6 +112,128 @@ def split(resolved: list, layers: int) -> dict:
     return {"calls": len(rows)} | {k: round(statistics.median(r[k] for r in rows if k in r), 4) for k in keys}
 
 
+def kernels(m, prompt, tokens: int) -> dict:
+    """Device time per decode token of each kernel and copy, by torch's profiler (CUPTI reports the
+    kernels a graph replays): a generate of ``tokens`` less one of 1 (its prefill), over ``tokens - 1``;
+    the top 14 by time, their sum, the time some engine was busy (the union of their intervals) and
+    the wall time."""
+    runs = [_profiled(m, prompt, n) for n in (1, tokens)]
+    n = tokens - 1
+    by = {k: [v[0] - runs[0][0].get(k, [0, 0])[0], v[1] - runs[0][0].get(k, [0, 0])[1]] for k, v in runs[1][0].items()}
+    top = sorted(by.items(), key=lambda kv: -kv[1][0])
+    work = [kv for kv in top if not kv[0].startswith("idle: ")]
+    idle = [kv for kv in top if kv[0].startswith("idle: ")]
+    return {"wall_ms_per_token": round((runs[1][2] - runs[0][2]) / n, 3), "device_ms_per_token": round(sum(v[0] for _, v in work) / n, 3),
+            "busy_ms_per_token": round((runs[1][1] - runs[0][1]) / n, 3),
+            "top": {k: [round(v[0] / n, 4), round(v[1] / n, 1)] for k, v in work[:14]},
+            "idle_top": {k: [round(v[0] / n, 4), round(v[1] / n, 1)] for k, v in idle[:12]}}
+
+
+def steps(m, prompt, tokens: int) -> dict:
+    """Wall ms of each decode step of one generate (a logits processor syncs and stamps each step's
+    end), the generate's wall ms, and where its host time went (cProfile of a second generate: the
+    25 functions of most own time, and the tiers functions of most cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps = []
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            sync()
+            stamps.append(time.perf_counter())
+            return scores
+
+    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    sync()
+    t0 = time.perf_counter()
+    m.generate(prompt, logits_processor=LogitsProcessorList([Stamp()]), **kw)
+    sync()
+    t1 = time.perf_counter()
+    step_ms = [round((b - a) * 1e3, 3) for a, b in zip(stamps, stamps[1:])]
+    prof = cProfile.Profile()
+    prof.enable()
+    m.generate(prompt, **kw)
+    sync()
+    prof.disable()
+    out = {}
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf).sort_stats(key)
+        st.print_stats(*(("tiers", 25) if key == "cumulative" else (25,)))
+        out[key] = [line for line in buf.getvalue().splitlines() if line.strip()][-27:]
+    return {"generate_ms": round((t1 - t0) * 1e3, 2), "prefill_to_first_ms": round((stamps[0] - t0) * 1e3, 2),
+            "after_last_ms": round((t1 - stamps[-1]) * 1e3, 2), "step_ms": step_ms,
+            "step_median_ms": round(statistics.median(step_ms), 3), "profile": out}
+
+
+def trace(m, prompt, tokens: int, path: str) -> dict:
+    """Every CUDA event and CUDA runtime call of one generate of ``tokens`` (torch's profiler, host
+    and device), as rows (on, name, start us from the first, duration us, stream), to ``path``;
+    returns, for each step graph's launch, the host time of ``cudaGraphLaunch``, the time from its
+    start to the first device event after it (and that event's name), and the device events' count
+    until the next launch."""
+    import json
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.profiler.kineto_results.events():
+        dev = e.device_type() == torch.autograd.DeviceType.CUDA
+        if dev or e.name().startswith("cuda"):
+            rows.append(("gpu" if dev else "cpu", e.name()[:60], e.start_ns(), e.duration_ns(), e.device_resource_id() if dev else 0))
+    t0 = min(r[2] for r in rows)
+    rows = sorted(((on, n, round((a - t0) / 1e3, 2), round(d / 1e3, 2), res) for on, n, a, d, res in rows), key=lambda r: r[2])
+    Path(path).write_text(json.dumps(rows))
+    launches = [r for r in rows if r[0] == "cpu" and r[1] == "cudaGraphLaunch"]
+    out = []
+    for i, (_, _, at, dur, _) in enumerate(launches):
+        end = launches[i + 1][2] if i + 1 < len(launches) else float("inf")
+        dev = [r for r in rows if r[0] == "gpu" and at <= r[2] < end]
+        if dev:
+            out.append({"launch_us": dur, "first_device_us": round(dev[0][2] - at, 1), "first": dev[0][1][:30], "device_events": len(dev)})
+    return {"launches": out}
+
+
+def _profiled(m, prompt, tokens: int) -> tuple[dict, float, float]:
+    """One generate of ``tokens`` under the profiler: ms and count by kernel name, busy ms, wall ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by: dict[str, list] = {}
+    spans = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == torch.autograd.DeviceType.CUDA:
+            got = by.setdefault(e.name()[:70], [0.0, 0])
+            got[0] += e.duration_ns() / 1e6
+            got[1] += 1
+            spans.append((e.start_ns(), e.end_ns(), e.name()[:40]))
+    busy, reach, last = 0, None, None
+    for a, b, name in sorted(spans):
+        if reach is not None and a > reach:  # idle from the end of ``last`` to ``name``
+            gap = by.setdefault(f"idle: {last} -> {name}", [0.0, 0])
+            gap[0] += (a - reach) / 1e6
+            gap[1] += 1
+        if reach is None or a > reach:
+            busy, reach, last = busy + b - a, b, name
+        elif b > reach:
+            busy, reach, last = busy + b - reach, b, name
+    return by, busy / 1e6, wall * 1e3
+
+
 def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int, device: torch.device) -> dict:
     import tiers
     from tiers.api import manager_of
@@ -143,6 +274,12 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
             row["calls"] = split(marks.resolved(), args.layers)
             if row["calls"].get("fetch_ms", 0) > 0:
                 row["fetch_gb_s"] = round(moved / args.layers / row["calls"]["fetch_ms"] / 1e6, 1)
+        if args.trace:
+            row["trace"] = trace(m, prompt, args.trace, f"{args.out}.{name}.trace.json")
+        if args.steps:
+            row["steps"] = steps(m, prompt, args.tokens)
+        if args.kernels and device.type == "cuda":
+            row["kernels"] = kernels(m, prompt, args.tokens)
         mgr.close()
         return row
     finally:
@@ -155,6 +292,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--arms", default="tiers_100_bf16,tiers_25_int4,tiers_25_int4~direct")
+    ap.add_argument("--kernels", action="store_true", help="each arm's kernels' device time per token (torch's profiler)")
+    ap.add_argument("--steps", action="store_true", help="each arm's wall time by decode step, and a cProfile of a generate")
+    ap.add_argument("--trace", type=int, default=0, help="write each arm's CUDA events and runtime calls of a generate of this many tokens")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: a smoke run of the script itself")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

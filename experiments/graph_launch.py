@@ -1,0 +1,117 @@
+"""Why does a decode step graph holding Triton kernels take longer to launch than one without?
+
+    PYTHONPATH=. python3 experiments/graph_launch.py --out FILE
+
+On a CUDA machine. Captures graphs of 900 small torch kernels and 12 device copies, alone and with
+12 launches of a small Triton kernel (through Triton, and through ``quant.launch``'s relauncher),
+and times ``replay()``'s host time and the replay's wall time (median of 30); names the device
+events of one replay (whether the driver ran the copies as kernels). Also prints Triton's
+launcher's launch attributes.
+"""
+import os
+import sys
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _touch(src, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out + i, tl.load(src + i, mask=i < n, other=0), mask=i < n)
+
+
+def build(variant: str):
+    dev = torch.device("cuda")
+    x = torch.zeros(4096, device=dev)
+    small = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(13)]
+    src = torch.ones(1 << 16, device=dev) if variant != "triton_pinned" else torch.ones(1 << 16).pin_memory()
+    out = torch.empty(1 << 16, device=dev)
+    from tiers.quant.launch import triton_relauncher
+
+    re = triton_relauncher(_touch, dict(BLOCK=1024))
+
+    def step():
+        for s in small[1:]:
+            s.copy_(small[0])
+        for i in range(900):
+            x.add_(1)
+            if variant != "plain" and i % 75 == 0:
+                if variant == "relaunch":
+                    re((64, 1), (src, out, 1 << 16), "k")
+                else:
+                    _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        g.capture_begin()
+        step()
+        g.capture_end()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    return g
+
+
+def timed(g) -> dict:
+    host, wall = [], []
+    for r in range(40):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        g.replay()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if r >= 10:
+            host.append((t1 - t0) * 1e3)
+            wall.append((t2 - t0) * 1e3)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        g.replay()
+        torch.cuda.synchronize()
+    names = collections.Counter(e.name()[:30] for e in prof.profiler.kineto_results.events()
+                                if e.device_type() == torch.autograd.DeviceType.CUDA)
+    return {"launch_ms": round(statistics.median(host), 4), "wall_ms": round(statistics.median(wall), 4),
+            "events": dict(names.most_common(6))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    result = {"command": "python3 experiments/graph_launch.py " + " ".join(sys.argv[1:]), "triton": triton.__version__,
+              "torch": torch.__version__, "device": torch.cuda.get_device_name(), "arms": {}}
+    try:
+        import inspect
+
+        from triton.backends.nvidia import driver
+
+        src = inspect.getsource(driver)
+        result["launcher_attr_lines"] = [ln.strip() for ln in src.splitlines() if "ATTRIBUTE" in ln or "cuLaunchKernel" in ln][:30]
+    except Exception as exc:  # noqa: BLE001
+        result["launcher_attr_lines"] = repr(exc)
+    for v in ("plain", "triton", "relaunch", "triton_pinned"):
+        result["arms"][v] = timed(build(v))
+        print(v, result["arms"][v], flush=True)
+    print("\n".join(result["launcher_attr_lines"]))
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
