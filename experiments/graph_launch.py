@@ -31,6 +31,23 @@ def _touch(src, out, n, BLOCK: tl.constexpr):
     tl.store(out + i, tl.load(src + i, mask=i < n, other=0), mask=i < n)
 
 
+def _static(src, out):
+    """The kernel launched by torch's static launcher (a plain ``cuLaunchKernel``), as inductor does."""
+    import tempfile
+
+    try:
+        from torch._inductor.runtime import static_cuda_launcher as scl
+    except ImportError:
+        from torch._inductor.runtime import static_triton_launcher as scl
+    k = _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
+    if not hasattr(k, "_cubin_path"):
+        k._cubin_path = None
+    sk = scl.StaticallyLaunchedCudaKernel(k)
+    sk.reload_cubin_from_raw(tempfile.mktemp(suffix=".cubin"))
+    sk.load_kernel(torch.cuda.current_device())
+    return sk
+
+
 def build(variant: str):
     dev = torch.device("cuda")
     x = torch.zeros(4096, device=dev)
@@ -40,6 +57,7 @@ def build(variant: str):
     from tiers.quant.launch import triton_relauncher
 
     re = triton_relauncher(_touch, dict(BLOCK=1024))
+    static = _static(src, out) if variant == "static" else None
 
     def step():
         for s in small[1:]:
@@ -49,6 +67,8 @@ def build(variant: str):
             if variant != "plain" and i % 75 == 0:
                 if variant == "relaunch":
                     re((64, 1), (src, out, 1 << 16), "k")
+                elif variant == "static":
+                    static.run(64, 1, 1, torch.cuda.current_stream().cuda_stream, src, out, 1 << 16)
                 else:
                     _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
     for _ in range(3):
@@ -104,8 +124,11 @@ def main() -> int:
         result["launcher_attr_lines"] = [ln.strip() for ln in src.splitlines() if "ATTRIBUTE" in ln or "cuLaunchKernel" in ln][:30]
     except Exception as exc:  # noqa: BLE001
         result["launcher_attr_lines"] = repr(exc)
-    for v in ("plain", "triton", "relaunch", "triton_pinned"):
-        result["arms"][v] = timed(build(v))
+    for v in ("plain", "triton", "relaunch", "triton_pinned", "static"):
+        try:
+            result["arms"][v] = timed(build(v))
+        except Exception as exc:  # noqa: BLE001
+            result["arms"][v] = repr(exc)
         print(v, result["arms"][v], flush=True)
     print("\n".join(result["launcher_attr_lines"]))
     with open(args.out, "w") as f:
