@@ -2,11 +2,16 @@
 
     PYTHONPATH=. python3 experiments/graph_launch.py --out FILE
 
-On a CUDA machine. Captures graphs of 900 small torch kernels and 12 device copies, alone and with
-12 launches of a small Triton kernel (through Triton, and through ``quant.launch``'s relauncher),
-and times ``replay()``'s host time and the replay's wall time (median of 30); names the device
-events of one replay (whether the driver ran the copies as kernels). Also prints Triton's
-launcher's launch attributes.
+On a CUDA machine. Captures graphs of 900 small torch kernels and 12 device copies, alone
+(``plain``) and with 12 launches of a small Triton kernel: through Triton (``triton``; reading
+pinned host memory: ``triton_pinned``), through ``quant.launch``'s relauncher (``relaunch``),
+through torch's static launcher, a plain ``cuLaunchKernel`` of a module loaded as inductor loads
+it (``static``), and through ``cuLaunchKernel`` of the cubin loaded with ``cuLibraryLoadData``, as
+the CUDA runtime loads its own kernels (``library_kernel``: the ``CUkernel``; ``library_function``:
+its ``CUfunction``). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn.
+Times the host's first ``replay()`` (the launch, after which the device starts) and the replay's
+wall time (median of 30), and names the device events of one replay (whether the driver ran the
+copies as kernels, ``memcpy32_post``). Also records Triton's launcher's launch attribute lines.
 """
 import os
 import sys
@@ -48,7 +53,39 @@ def _static(src, out):
     return sk
 
 
-def build(variant: str):
+class _Library:
+    """The kernel's cubin loaded with ``cuLibraryLoadData`` (as the CUDA runtime loads its own
+    kernels) and launched by ``cuLaunchKernel`` through ctypes, as a ``CUkernel`` (``handle``
+    "kernel") or its context's ``CUfunction`` ("function")."""
+
+    def __init__(self, src, out, handle: str):
+        import ctypes
+
+        k = _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
+        cu = self.cu = ctypes.CDLL("libcuda.so.1")
+        lib, kern = ctypes.c_void_p(), ctypes.c_void_p()
+        code = k.asm["cubin"]
+        assert cu.cuLibraryLoadData(ctypes.byref(lib), ctypes.c_char_p(code), None, None, 0, None, None, 0) == 0
+        name = getattr(k.metadata, "name", None) or k.name
+        assert cu.cuLibraryGetKernel(ctypes.byref(kern), lib, name.encode()) == 0
+        if handle == "function":
+            f = ctypes.c_void_p()
+            assert cu.cuKernelGetFunction(ctypes.byref(f), kern) == 0
+            kern = f
+        self.f, self.lib = kern, lib
+        self.threads, self.shared = 32 * k.metadata.num_warps, k.metadata.shared
+        extra = [n for n in ("global_scratch_size", "profile_scratch_size") if hasattr(k.metadata, n)]
+        self.args = [ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int32(1 << 16)] + [ctypes.c_void_p(0) for _ in extra]
+        self.params = (ctypes.c_void_p * len(self.args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in self.args])
+
+    def run(self, stream: int) -> None:
+        import ctypes
+
+        r = self.cu.cuLaunchKernel(self.f, 64, 1, 1, self.threads, 1, 1, self.shared, ctypes.c_void_p(stream), self.params, None)
+        assert r == 0, r
+
+
+def build(variant: str, parts: int = 1):
     dev = torch.device("cuda")
     x = torch.zeros(4096, device=dev)
     small = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(13)]
@@ -58,15 +95,18 @@ def build(variant: str):
 
     re = triton_relauncher(_touch, dict(BLOCK=1024))
     static = _static(src, out) if variant == "static" else None
+    lib = _Library(src, out, variant.split("_")[1]) if variant.startswith("library") else None
 
-    def step():
-        for s in small[1:]:
+    def step(span=range(900), copies=True):
+        for s in small[1:] if copies else ():
             s.copy_(small[0])
-        for i in range(900):
+        for i in span:
             x.add_(1)
             if variant != "plain" and i % 75 == 0:
                 if variant == "relaunch":
                     re((64, 1), (src, out, 1 << 16), "k")
+                elif lib is not None:
+                    lib.run(torch.cuda.current_stream().cuda_stream)
                 elif variant == "static":
                     static.run(64, 1, 1, torch.cuda.current_stream().cuda_stream, src, out, 1 << 16)
                 else:
@@ -74,25 +114,32 @@ def build(variant: str):
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
+    graphs, pool = [], None
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
+    bounds = [900 * i // parts for i in range(parts + 1)]
     with torch.cuda.stream(s):
-        g.capture_begin()
-        step()
-        g.capture_end()
+        for a, b in zip(bounds, bounds[1:]):
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin(pool=pool)
+            step(range(a, b), copies=a == 0)
+            g.capture_end()
+            pool = g.pool()
+            graphs.append(g)
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
-    return g
+    return graphs
 
 
-def timed(g) -> dict:
+def timed(graphs) -> dict:
     host, wall = [], []
     for r in range(40):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        g.replay()
+        graphs[0].replay()
         t1 = time.perf_counter()
+        for g in graphs[1:]:
+            g.replay()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
         if r >= 10:
@@ -101,7 +148,8 @@ def timed(g) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        g.replay()
+        for g in graphs:
+            g.replay()
         torch.cuda.synchronize()
     names = collections.Counter(e.name()[:30] for e in prof.profiler.kineto_results.events()
                                 if e.device_type() == torch.autograd.DeviceType.CUDA)
@@ -124,9 +172,10 @@ def main() -> int:
         result["launcher_attr_lines"] = [ln.strip() for ln in src.splitlines() if "ATTRIBUTE" in ln or "cuLaunchKernel" in ln][:30]
     except Exception as exc:  # noqa: BLE001
         result["launcher_attr_lines"] = repr(exc)
-    for v in ("plain", "triton", "relaunch", "triton_pinned", "static"):
+    for v in ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function", "triton/4", "plain/4"):
         try:
-            result["arms"][v] = timed(build(v))
+            name, _, parts = v.partition("/")
+            result["arms"][v] = timed(build(name, int(parts or 1)))
         except Exception as exc:  # noqa: BLE001
             result["arms"][v] = repr(exc)
         print(v, result["arms"][v], flush=True)
