@@ -8,7 +8,8 @@ pinned host memory: ``triton_pinned``), through ``quant.launch``'s relauncher (`
 through torch's static launcher, a plain ``cuLaunchKernel`` of a module loaded as inductor loads
 it (``static``), and through ``cuLaunchKernel`` of the cubin loaded with ``cuLibraryLoadData``, as
 the CUDA runtime loads its own kernels (``library_kernel``: the ``CUkernel``; ``library_function``:
-its ``CUfunction``). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn.
+its ``CUfunction``; ``relaunch_library``: that ``CUfunction`` through the relauncher, that is
+Triton's own launcher). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn.
 Times the host's first ``replay()`` (the launch, after which the device starts) and the replay's
 wall time (median of 30), and names the device events of one replay (whether the driver ran the
 copies as kernels, ``memcpy32_post``). Also records Triton's launcher's launch attribute lines.
@@ -103,7 +104,7 @@ def build(variant: str, parts: int = 1):
         for i in span:
             x.add_(1)
             if variant != "plain" and i % 75 == 0:
-                if variant == "relaunch":
+                if variant.startswith("relaunch"):
                     re((64, 1), (src, out, 1 << 16), "k")
                 elif lib is not None:
                     lib.run(torch.cuda.current_stream().cuda_stream)
@@ -113,6 +114,13 @@ def build(variant: str, parts: int = 1):
                     _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
     for _ in range(3):
         step()
+    if variant == "relaunch_library":  # the relauncher's learned call (Triton's own launcher), its function swapped
+        run, _f, packed, tail = re._learned["k"]
+        swapped = _Library(src, out, "function")
+        re._learned["k"] = (run, swapped.f.value, packed, tail)
+        out.zero_()
+        step()
+        assert torch.equal(out, src), "the library-loaded function computes what Triton's does"
     torch.cuda.synchronize()
     graphs, pool = [], None
     s = torch.cuda.Stream()
@@ -172,7 +180,8 @@ def main() -> int:
         result["launcher_attr_lines"] = [ln.strip() for ln in src.splitlines() if "ATTRIBUTE" in ln or "cuLaunchKernel" in ln][:30]
     except Exception as exc:  # noqa: BLE001
         result["launcher_attr_lines"] = repr(exc)
-    for v in ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function", "triton/4", "plain/4"):
+    for v in ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function",
+              "relaunch_library", "triton/4", "plain/4"):
         try:
             name, _, parts = v.partition("/")
             result["arms"][v] = timed(build(name, int(parts or 1)))
