@@ -1,4 +1,4 @@
-"""Where does a host-routed decode layer call's time go, beside its copies?
+"""Where does a decode step's time go beside its copies: in host-routed calls, direct calls, step graphs?
 
     PYTHONPATH=. python3 experiments/decode_marks.py [--model mixtral] [--layers 4] [--tokens 16]
                                                      [--arms tiers_25_int4,tiers_25_int4~direct]
