@@ -179,14 +179,9 @@ def trace(m, prompt, tokens: int, path: str) -> dict:
     until the next launch."""
     import json
 
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
+    events, _ = _generate_events(m, prompt, tokens, host=True)
     rows = []
-    for e in prof.profiler.kineto_results.events():
+    for e in events:
         dev = e.device_type() == torch.autograd.DeviceType.CUDA
         if dev or e.name().startswith("cuda"):
             rows.append(("gpu" if dev else "cpu", e.name()[:60], e.start_ns(), e.duration_ns(), e.device_resource_id() if dev else 0))
@@ -203,19 +198,26 @@ def trace(m, prompt, tokens: int, path: str) -> dict:
     return {"launches": out}
 
 
-def _profiled(m, prompt, tokens: int) -> tuple[dict, float, float]:
-    """One generate of ``tokens`` under the profiler: ms and count by kernel name, busy ms, wall ms."""
+def _generate_events(m, prompt, tokens: int, host: bool) -> tuple[list, float]:
+    """The profiler's events of one generate of ``tokens`` (device events, and with ``host`` the
+    host's too: CUDA runtime calls among them) and its wall seconds."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA] if host else [ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         m.generate(prompt, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    return list(prof.profiler.kineto_results.events()), wall
+
+
+def _profiled(m, prompt, tokens: int) -> tuple[dict, float, float]:
+    """One generate of ``tokens`` under the profiler: ms and count by kernel name, busy ms, wall ms."""
+    events, wall = _generate_events(m, prompt, tokens, host=False)
     by: dict[str, list] = {}
     spans = []
-    for e in prof.profiler.kineto_results.events():
+    for e in events:
         if e.device_type() == torch.autograd.DeviceType.CUDA:
             got = by.setdefault(e.name()[:70], [0.0, 0])
             got[0] += e.duration_ns() / 1e6

@@ -188,7 +188,8 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             result["arms"][v] = repr(exc)
         print(v, result["arms"][v], flush=True)
-    print("\n".join(result["launcher_attr_lines"]))
+    lines = result["launcher_attr_lines"]
+    print("\n".join(lines) if isinstance(lines, list) else lines)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
