@@ -4,11 +4,17 @@
 
 Joins the group (gloo or nccl, a 60 s timeout), then for each case of CASES_JSON (a packed path
 and a config) loads it with ``tiers.parallel.experts``, and records the prefill logits, greedy
-tokens, its own and the summed stats; a load that raises records the message. Writes OUT (torch.save).
+tokens, its own and the summed stats; a load that raises records the message. Writes OUT (torch.save),
+waits for every rank, leaves the group, and exits at once, skipping interpreter finalization,
+in which gloo's threads can abort a process that has finished its work (pytorch/pytorch#179291).
+CI once saw a rank here abort (SIGABRT, "terminate called without an active exception") with no
+Python stack; faulthandler now prints one, and a crash before OUT is written still fails the test.
 """
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -37,6 +43,7 @@ def run_case(case: dict, device: torch.device) -> dict:
 
 
 def main() -> int:
+    faulthandler.enable()
     rank, world, backend, rendezvous, out, cases = sys.argv[1:7]
     rank, world = int(rank), int(world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -45,12 +52,15 @@ def main() -> int:
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        results = [run_case(case, device) for case in json.loads(cases)[rank]]
+        torch.save([run_case(case, device) for case in json.loads(cases)[rank]], out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
-    torch.save(results, out)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

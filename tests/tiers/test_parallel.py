@@ -66,7 +66,8 @@ def _ranks(world: int, backend: str, cases: list[list[dict]], tmp: Path, timeout
         for p in procs:
             p.kill()
     for r, p in enumerate(procs):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}: {(tmp / f'rank{r}.log').read_text()[-3000:]}"
+        log = (tmp / f"rank{r}.log").read_text()[-3000:]
+        assert p.returncode == 0 and outs[r].exists(), f"rank {r} exited {p.returncode} (wrote its results: {outs[r].exists()}): {log}"
     return [torch.load(o) for o in outs]
 
 
