@@ -1,172 +1,37 @@
-"""The slot rule through ``tiers.slots.Slots`` and the table: a slot is never rewritten while a reader may still use it.
+"""The slot rule through ``tiers.slots.Slots`` handle by handle: a slot is never rewritten while a reader may still use it.
 
-Both parts run a CPU ``Manager`` over a packed tiny Mixtral with all three tiers in bf16 (so
-every served expert must be bit-exact) on recording streams (``tier_fakes``), whose waits,
-records, syncs and stream switches go into one ordered list, and every disk read too.
+It runs a CPU ``Manager`` over a packed tiny Mixtral with all three tiers in bf16 (so every served
+expert must be bit-exact) on recording streams (``slots_helpers.build``), whose waits, records,
+syncs and stream switches go into one ordered list, and every disk read too.
 
-Part A drives ``Slots`` handle by handle (``acquire``, ``wait_all``, ``release_all``, ``drop``)
+It drives ``Slots`` handle by handle (``acquire``, ``wait_all``, ``release_all``, ``drop``)
 against a model of every slot (occupant, readers, pending write, last read, ring buffer) and
 checks after each step the exact stream operations it queued, the table against the model, and
-that every held slot still holds its own expert's weights.
-
-Part B drives layer calls (``acquire_layer``, with its parallel read-ahead of cold misses and
-injected checksum failures), and checks from the recorded order that each slot rewrite was
-queued after the slot's last read, each first use after its copy, and each disk read into a
-ring buffer after the host synced on the buffer's previous copy.
+that every held slot still holds its own expert's weights. Layer calls are checked in
+test_slots_layer_calls.py.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tier_fakes import Recorder, RecordingStreams, index_of_record, recorded_manager
-import tiers
-from tiers import report
-from tiers.api import manager_of
+from slots_helpers import Harness, World, assert_holds, build, fractions, load_world
+from tier_fakes import index_of_record
 from tiers.loader.layout import ExpertKey
-from tiers.loader.packed import read_manifest
-from tiers.manager import Manager
-from tiers.store.disk_store import DiskStore, IntegrityError
+from tiers.store.disk_store import DiskStore
 from tiers.store.table import Home, IllegalTransition, SlotState
-
-MODEL = "mixtral"
-PRECISIONS = ("bf16", "int8")
-
-
-class World:
-    """The packed checkpoint and the oracle weights (short repr, so falsifying examples stay readable)."""
-
-    def __init__(self, manifest, truth: dict):
-        self.manifest, self.truth = manifest, truth
-
-    def __repr__(self) -> str:
-        return f"<packed {MODEL} {PRECISIONS}: {len(self.truth)} experts>"
 
 
 @pytest.fixture(scope="module")
 def world(packed_factory, checkpoint_factory) -> World:
     """Every expert's bf16 weights, read through transformers from the source checkpoint (not the pack)."""
-    from tiers.loader.layout import find_experts_modules
-    from transformers import AutoModelForCausalLM
-
-    manifest = read_manifest(packed_factory(MODEL, PRECISIONS))
-    model = AutoModelForCausalLM.from_pretrained(checkpoint_factory(MODEL), dtype=torch.bfloat16)
-    out: dict[ExpertKey, dict[str, torch.Tensor]] = {}
-    for layer, (_, mod) in find_experts_modules(model).items():
-        entry = manifest.layers[layer]
-        for e in range(entry.layout.num_experts):
-            out[ExpertKey(layer, e)] = {t.name: getattr(mod, t.name)[e].detach().clone() for t in entry.layout.tensors}
-    assert set(out) == set(manifest.keys)
-    # different experts really differ, so a slot holding the wrong expert cannot pass for the right one
-    flat = {k: torch.cat([v.reshape(-1) for v in d.values()]) for k, d in out.items()}
-    keys = sorted(flat)
-    for i, a in enumerate(keys):
-        for b in keys[i + 1 :]:
-            assert not torch.equal(flat[a], flat[b])
-    return World(manifest, out)
-
-
-@dataclass(repr=False)
-class Harness:
-    mgr: Manager
-    rec: Recorder
-    streams: RecordingStreams
-    held: list = field(default_factory=list)  # handles acquired and not yet released
-    acquired: list = field(default_factory=list)  # every key Slots.acquire returned a handle for
-    writes: list = field(default_factory=list)  # [pool, slot, key, source, entry index, the copy's use index, ready event]
-    ready: dict = field(default_factory=dict)  # (pool, slot) -> its latest ready event
-    releases: dict = field(default_factory=dict)  # (pool, slot) -> [(last-read event, its record index)] of reads after a wait
-    reading: bool = False  # a release now ends a read whose kernels were ordered after the slot's write
-    fail_key: ExpertKey | None = None  # the next disk read of this expert fails its checksum (IntegrityError)
-    failed_reads: int = 0
-
-
-def build(manifest, staging: int, gpu_frac: float, cpu_frac: float) -> Harness:
-    mgr, rec, streams = recorded_manager(manifest.root, {"gpu": {"fraction": gpu_frac, "precision": "bf16", "staging_slots": staging},
-                                                         "cpu": {"fraction": cpu_frac, "precision": "bf16"}, "nvme": {"precision": "bf16"}})
-    h = Harness(mgr, rec, streams)
-    copy = mgr.staging.copy_stream
-    assert len(streams.made) == 1 and copy is streams.made[0] and mgr.staging.dequant_stream is copy, "bf16: one copy stream, from new_stream"
-    order, table = rec.order, mgr.table
-
-    # Observe (never alter) the slot protocol: wrap the table's transitions, the staging writes and the disk reads.
-    orig_written, orig_release, orig_write = table.written, table.release, mgr.staging.write
-
-    def written(pool, slots, event, stream):
-        orig_written(pool, slots, event, stream)
-        assert stream is copy and order[index_of_record(order, event)][1] is copy, "ready event recorded on the copy stream"
-        for slot in slots:
-            h.ready[(pool, slot)] = event
-            open_ = [w for w in h.writes if (w[0], w[1]) == (pool, slot) and w[6] is None]
-            assert len(open_) == 1, "a ready event for a write never queued (or queued twice)"
-            open_[0][6] = event
-
-    def release(pool, slot, last_read):
-        n = len(order)
-        orig_release(pool, slot, last_read)
-        assert len(order) == n, "a release queues nothing"
-        if last_read is None:
-            return
-        assert not table.is_hot_slot(pool, slot), "hot slots are never rewritten: their readers record no last-read"
-        at = index_of_record(order, last_read)
-        assert order[at][1] is streams.compute, "last-read recorded on the compute stream"
-        if h.reading:
-            h.releases.setdefault((pool, slot), []).append((last_read, at))
-
-    def write(key, pool, slot, precision, source, src, direct_ok=True):
-        if mgr.staging._batch is None:  # outside a batch: a batch of one, around this very call again
-            return orig_write(key, pool, slot, precision, source, src, direct_ok)
-        begin = len(order)
-        orig_write(key, pool, slot, precision, source, src, direct_ok)
-        uses = [i for i in range(begin, len(order)) if order[i][0] == "use" and order[i][1] is copy]
-        assert uses, f"{key} was written into slot {slot} outside the copy stream"
-        assert table.occupant(pool.index, slot) == key
-        h.writes.append([pool.index, slot, key, source, begin, uses[0], None])
-
-    table.written, table.release, mgr.staging.write = written, release, write
-
-    orig_acquire = mgr.slots.acquire
-
-    def acquire(key):
-        got = orig_acquire(key)
-        if got is not None:
-            h.acquired.append(key)
-        return got
-
-    mgr.slots.acquire = acquire
-
-    orig_read = mgr.disk.read
-
-    def disk_read(key, precision, out):
-        order.append(("disk_read", None, key))
-        if key == h.fail_key:
-            h.fail_key = None
-            h.failed_reads += 1
-            out[: manifest.ref(key, precision).nbytes].fill_(0x5A)  # a torn read leaves garbage in the buffer
-            raise IntegrityError(f"injected: checksum mismatch for {key}")
-        return orig_read(key, precision, out)
-
-    mgr.disk.read = disk_read
-    return h
-
-
-def fractions(manifest, staging: int, n_hot: int, n_warm: int) -> tuple[float, float]:
-    n = len(manifest.keys)
-    return (staging + n_hot + 0.5) / n, (n_warm + 0.5) / n  # all experts have the same size
-
-
-def assert_holds(t: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
-    assert set(t) == set(want)
-    for name in want:
-        assert torch.equal(t[name], want[name]), f"{what}: {name} differs from the checkpoint"
+    return load_world(packed_factory, checkpoint_factory)
 
 
 # =============================================================================================
-# Part A: Slots handle by handle, against a model of every slot
+# Slots handle by handle, against a model of every slot
 # =============================================================================================
 # op: ("acquire", layer, expert) | ("wait", i) | ("release", i) | ("drop", slot); i indexes the held handles
 handle_ops = st.lists(
@@ -180,130 +45,173 @@ handle_ops = st.lists(
 )
 
 
+class SlotModel:
+    """What every slot of the one pool should hold: occupant, readers, pending write, last read, ring buffer.
+
+    Each op drives ``Slots`` once, checks the exact stream operations it queued and updates the
+    model; ``step`` returns False where the op was skipped (no handle held, or no slot free), so
+    there is nothing new to check against the table."""
+
+    def __init__(self, h: Harness, truth: dict, n_hot: int):
+        self.h, self.truth, self.n_hot = h, truth, n_hot
+        mgr = h.mgr
+        self.order, self.compute = h.rec.order, h.streams.compute
+        self.table, self.slots, self.copy = mgr.table, mgr.slots, mgr.staging.copy_stream
+        (self.pool,) = mgr.pools
+        self.n, self.pi = self.pool.n_slots, self.pool.index
+        self.base_ptr = {name: t.data_ptr() for name, t in self.pool.slabs.items()}
+        self.owner = [self.table.occupant(self.pi, s) for s in range(self.n)]
+        self.readers = [0] * self.n
+        self.pending: list = [None] * self.n  # the ready event of a write no reader has waited on
+        self.last: list = [None] * self.n  # what the next write into the slot waits on
+        self.ring: list = [None] * self.n  # the ready event of the last disk write through the slot's ring buffer
+
+    def step(self, op) -> bool:
+        kind = op[0]
+        if kind == "acquire":
+            return self.acquire(ExpertKey(op[1], op[2]))
+        if kind == "wait":
+            return self.wait(op[1])
+        if kind == "release":
+            return self.release(op[1])
+        return self.drop(op[1])
+
+    def acquire(self, key: ExpertKey) -> bool:
+        order, table, start = self.order, self.table, len(self.order)
+        r = table[key]
+        if r.slot is not None:  # a hit: hold it, nothing queued
+            got = self.slots.acquire(key)
+            assert got is not None and got.slot == r.slot and self.owner[r.slot] == key
+            assert order[start:] == []
+            self.readers[r.slot] += 1
+            self.h.held.append(got)
+            return True
+        free = [s for s in self.pool.staging if self.readers[s] == 0]
+        got = self.slots.acquire(key)
+        if not free:
+            assert got is None and order[start:] == [], "every staging slot held: no slot, nothing queued"
+            assert table[key] == r
+            return False
+        s = got.slot
+        assert s in free, f"{key} staged into slot {s}, held or hot"
+        if any(self.owner[x] is None for x in free):
+            assert self.owner[s] is None, "an empty slot is taken before an occupied one"
+        self.staged(key, r.home, got, start)
+        return True
+
+    def staged(self, key: ExpertKey, home: Home, got, start: int) -> None:
+        """A miss was given slot ``got.slot``: it queued exactly the expected writes, then its ready event."""
+        s, order, copy = got.slot, self.order, self.copy
+        expected = []
+        if home is Home.NVME:  # read into the slot's ring buffer, once its last copy out ran
+            if self.ring[s] is not None:
+                expected.append(("sync", None, self.ring[s]))
+            expected.append(("disk_read", None, key))
+        if self.pending[s] is not None:  # a write nobody waited on: the next one waits on it instead
+            self.last[s] = self.pending[s]
+        if self.last[s] is not None:
+            expected.append(("wait", copy, self.last[s]))  # before any byte lands: the old expert's last read
+        expected.append(("use", copy, None))
+        new = order[start:]
+        assert len(new) == len(expected) + 1, f"{key} into slot {s}: {new}"
+        for got_op, want in zip(new, expected):
+            assert got_op[0] == want[0] and got_op[1] is want[1] and (got_op[2] is want[2] or got_op[2] == want[2]), (
+                f"{key} into slot {s}: queued {new}, expected {expected} then the ready event")
+        ready = new[-1]
+        assert ready[0] == "record" and ready[1] is copy, "the ready event is recorded on the copy stream"
+        assert self.table.ready_event(self.pi, s) is ready[2]
+        if self.owner[s] is not None:
+            assert self.table[self.owner[s]].slot is None, "the evicted expert left the GPU"
+        self.owner[s], self.readers[s], self.pending[s] = key, 1, ready[2]
+        if home is Home.NVME:
+            self.ring[s] = ready[2]
+        self.h.held.append(got)
+
+    def wait(self, i: int) -> bool:
+        held, order, start = self.h.held, self.order, len(self.order)
+        if not held:
+            return False
+        got = held[i % len(held)]
+        self.slots.wait_all([got])
+        if self.pending[got.slot] is not None:
+            assert order[start:] == [("wait", self.compute, self.pending[got.slot])]
+            self.pending[got.slot] = None
+        else:
+            assert order[start:] == [], "nothing pending: no wait"
+        assert self.table.ready_event(self.pi, got.slot) is None
+        return True
+
+    def release(self, i: int) -> bool:
+        held, start = self.h.held, len(self.order)
+        if not held:
+            return False
+        got = held.pop(i % len(held))
+        self.slots.release_all([got])
+        self.readers[got.slot] -= 1
+        new = self.order[start:]
+        if got.slot < self.n_hot:
+            assert new == [] and self.table.last_read(self.pi, got.slot) is None, "a hot slot's reader records no last-read"
+        else:
+            assert len(new) == 1 and new[0][0] == "record" and new[0][1] is self.compute, new
+            self.last[got.slot] = new[0][2]
+        return True
+
+    def drop(self, i: int) -> bool:
+        table, pi, n, start = self.table, self.pi, self.n, len(self.order)
+        s = i % n
+        before = [table.slot(pi, x) for x in range(n)]
+        if self.readers[s] or s < self.n_hot:
+            why = "is held by" if self.readers[s] else "hot experts are never evicted"
+            with pytest.raises(IllegalTransition, match=why):
+                self.slots.drop(self.pool, s)
+            assert [table.slot(pi, x) for x in range(n)] == before, "a refused drop changes nothing"
+        else:
+            self.slots.drop(self.pool, s)
+            if self.owner[s] is not None:
+                assert table[self.owner[s]].slot is None
+            self.owner[s] = None
+            if self.pending[s] is not None:
+                self.last[s], self.pending[s] = self.pending[s], None
+        assert self.order[start:] == [], "a drop queues nothing"
+        return True
+
+    def check(self) -> None:
+        """After every op: the table agrees with the model, and every held slot still holds its owner's bytes."""
+        table, pi, owner, readers, pending = self.table, self.pi, self.owner, self.readers, self.pending
+        table.check()
+        assert list(table.readers(pi)) == readers
+        assert [table.occupant(pi, s) for s in range(self.n)] == owner
+        assert [table.ready_event(pi, s) for s in range(self.n)] == pending
+        for s in range(self.n):
+            assert table.last_read(pi, s) is self.last[s]
+            if owner[s] is not None:
+                assert table[owner[s]].slot == s
+                state = table.state(pi, s)
+                assert state is (SlotState.IN_USE if readers[s] else SlotState.WRITING if pending[s] else SlotState.READY), state
+            if readers[s]:
+                assert_holds(self.pool.tensors(s), self.truth[owner[s]], f"held slot {s} ({owner[s]})")
+        # static buffers: a slot's address never changes
+        assert {name: t.data_ptr() for name, t in self.pool.slabs.items()} == self.base_ptr
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(staging=st.integers(1, 6), n_hot=st.integers(1, 4), n_warm=st.integers(1, 6), ops=handle_ops)
 def test_slots_never_rewrite_a_held_slot(world, staging, n_hot, n_warm, ops):
     manifest, truth = world.manifest, world.truth
     h = build(manifest, staging, *fractions(manifest, staging, n_hot, n_warm))
-    mgr, order, compute = h.mgr, h.rec.order, h.streams.compute
-    table, slots, copy = mgr.table, mgr.slots, mgr.staging.copy_stream
+    mgr, table = h.mgr, h.mgr.table
     try:
         (pool,) = mgr.pools  # every layer has the same signature: one pool
         assert (pool.n_slots, pool.hot) == (n_hot + staging, n_hot)
         assert pool.nbytes == pool.n_slots * manifest.layers[0].layout.nbytes()
-        n, pi = pool.n_slots, pool.index
-        base_ptr = {name: t.data_ptr() for name, t in pool.slabs.items()}
-        # the model
-        owner = [table.occupant(pi, s) for s in range(n)]
-        assert [k is not None for k in owner] == [s < n_hot for s in range(n)], "hot experts fill the first slots, staging starts empty"
-        readers = [0] * n
-        pending: list = [None] * n  # the ready event of a write no reader has waited on
-        last: list = [None] * n  # what the next write into the slot waits on
-        ring: list = [None] * n  # the ready event of the last disk write through the slot's ring buffer
-
+        model = SlotModel(h, truth, n_hot)
+        n = pool.n_slots
+        assert [k is not None for k in model.owner] == [s < n_hot for s in range(n)], "hot experts fill the first slots, staging starts empty"
         for op in ops:
-            kind, start = op[0], len(order)
-            if kind == "acquire":
-                key = ExpertKey(op[1], op[2])
-                r = table[key]
-                if r.slot is not None:  # a hit: hold it, nothing queued
-                    got = slots.acquire(key)
-                    assert got is not None and got.slot == r.slot and owner[r.slot] == key
-                    assert order[start:] == []
-                    readers[r.slot] += 1
-                    h.held.append(got)
-                else:
-                    free = [s for s in pool.staging if readers[s] == 0]
-                    got = slots.acquire(key)
-                    if not free:
-                        assert got is None and order[start:] == [], "every staging slot held: no slot, nothing queued"
-                        assert table[key] == r
-                        continue
-                    s = got.slot
-                    assert s in free, f"{key} staged into slot {s}, held or hot"
-                    if any(owner[x] is None for x in free):
-                        assert owner[s] is None, "an empty slot is taken before an occupied one"
-                    expected = []
-                    if r.home is Home.NVME:  # read into the slot's ring buffer, once its last copy out ran
-                        if ring[s] is not None:
-                            expected.append(("sync", None, ring[s]))
-                        expected.append(("disk_read", None, key))
-                    if pending[s] is not None:  # a write nobody waited on: the next one waits on it instead
-                        last[s] = pending[s]
-                    if last[s] is not None:
-                        expected.append(("wait", copy, last[s]))  # before any byte lands: the old expert's last read
-                    expected.append(("use", copy, None))
-                    new = order[start:]
-                    assert len(new) == len(expected) + 1, f"{key} into slot {s}: {new}"
-                    for got_op, want in zip(new, expected):
-                        assert got_op[0] == want[0] and got_op[1] is want[1] and (got_op[2] is want[2] or got_op[2] == want[2]), (
-                            f"{key} into slot {s}: queued {new}, expected {expected} then the ready event")
-                    ready = new[-1]
-                    assert ready[0] == "record" and ready[1] is copy, "the ready event is recorded on the copy stream"
-                    assert table.ready_event(pi, s) is ready[2]
-                    if owner[s] is not None:
-                        assert table[owner[s]].slot is None, "the evicted expert left the GPU"
-                    owner[s], readers[s], pending[s] = key, 1, ready[2]
-                    if r.home is Home.NVME:
-                        ring[s] = ready[2]
-                    h.held.append(got)
-            elif kind == "wait":
-                if not h.held:
-                    continue
-                got = h.held[op[1] % len(h.held)]
-                slots.wait_all([got])
-                if pending[got.slot] is not None:
-                    assert order[start:] == [("wait", compute, pending[got.slot])]
-                    pending[got.slot] = None
-                else:
-                    assert order[start:] == [], "nothing pending: no wait"
-                assert table.ready_event(pi, got.slot) is None
-            elif kind == "release":
-                if not h.held:
-                    continue
-                got = h.held.pop(op[1] % len(h.held))
-                slots.release_all([got])
-                readers[got.slot] -= 1
-                new = order[start:]
-                if got.slot < n_hot:
-                    assert new == [] and table.last_read(pi, got.slot) is None, "a hot slot's reader records no last-read"
-                else:
-                    assert len(new) == 1 and new[0][0] == "record" and new[0][1] is compute, new
-                    last[got.slot] = new[0][2]
-            else:  # drop
-                s = op[1] % n
-                before = [table.slot(pi, x) for x in range(n)]
-                if readers[s] or s < n_hot:
-                    why = "is held by" if readers[s] else "hot experts are never evicted"
-                    with pytest.raises(IllegalTransition, match=why):
-                        slots.drop(pool, s)
-                    assert [table.slot(pi, x) for x in range(n)] == before, "a refused drop changes nothing"
-                else:
-                    slots.drop(pool, s)
-                    if owner[s] is not None:
-                        assert table[owner[s]].slot is None
-                    owner[s] = None
-                    if pending[s] is not None:
-                        last[s], pending[s] = pending[s], None
-                assert order[start:] == [], "a drop queues nothing"
-
-            # after every op: the table agrees with the model, and every held slot still holds its owner's bytes
-            table.check()
-            assert list(table.readers(pi)) == readers
-            assert [table.occupant(pi, s) for s in range(n)] == owner
-            assert [table.ready_event(pi, s) for s in range(n)] == pending
-            for s in range(n):
-                assert table.last_read(pi, s) is last[s]
-                if owner[s] is not None:
-                    assert table[owner[s]].slot == s
-                    state = table.state(pi, s)
-                    assert state is (SlotState.IN_USE if readers[s] else SlotState.WRITING if pending[s] else SlotState.READY), state
-                if readers[s]:
-                    assert_holds(pool.tensors(s), truth[owner[s]], f"held slot {s} ({owner[s]})")
-            # static buffers: a slot's address never changes
-            assert {name: t.data_ptr() for name, t in pool.slabs.items()} == base_ptr
-        slots.release_all(h.held)
-        assert all(r == 0 for r in table.readers(pi))
+            if model.step(op):
+                model.check()
+        mgr.slots.release_all(h.held)
+        assert all(r == 0 for r in table.readers(pool.index))
     finally:
         mgr.close()
 
@@ -340,189 +248,6 @@ def test_a_slot_is_rewritten_only_after_its_readers_released_it(world):
         mgr.close()
 
 
-# =============================================================================================
-# Part B: layer calls
-# =============================================================================================
-def covered(order, at: int, before: int, stream) -> bool:
-    """Whether ``stream`` waited, within ``order[at + 1 : before]``, on the event recorded at ``at`` or on
-    a later one of the same stream (a stream runs in order: waiting on a later event covers it)."""
-    on = order[at][1]
-    return any(o[0] == "wait" and o[1] is stream and index_of_record(order, o[2]) >= at and order[index_of_record(order, o[2])][1] is on
-               for o in order[at + 1 : before])
-
-
-def check_write_ordering(h: Harness) -> int:
-    """Every rewrite of a slot that was read before: the copy stream waited on that slot's latest
-    last-read event after it was recorded and before the new bytes were written. Returns how many
-    writes needed such a wait (so callers can see the check was not vacuous)."""
-    order, copy = h.rec.order, h.mgr.staging.copy_stream
-    checked = 0
-    for pi, slot, key, _, begin, use, _ in h.writes:
-        prior = [(e, i) for e, i in h.releases.get((pi, slot), []) if i < begin]
-        if not prior:
-            continue
-        lr, i_rec = prior[-1]
-        checked += 1
-        assert covered(order, i_rec, use, copy), (
-            f"slot {slot} was rewritten with {key} without the copy stream first waiting on its last-read event {lr} (or a later one of its stream)"
-        )
-    return checked
-
-
-def check_ring_ordering(h: Harness) -> int:
-    """A cold expert is read from disk into its slot's pinned ring buffer only after the host synced on
-    the previous copy out of that buffer (the previous disk write through the same slot)."""
-    order = h.rec.order
-    last_ring: dict = {}
-    checked = 0
-    for pi, slot, key, source, begin, use, ready in h.writes:
-        assert ready is not None, f"write of {key} into slot {slot} was queued but never given a ready event"
-        if source != "nvme":
-            continue
-        reads = [i for i in range(use) if order[i][0] == "disk_read" and order[i][2] == key]
-        assert reads, f"{key}: staged from nvme without a disk read"
-        prev = last_ring.get((pi, slot))
-        if prev is not None:
-            checked += 1
-            lo = index_of_record(order, prev) + 1
-            assert reads[-1] > lo, f"{key}: its disk read came before the previous copy out of slot {slot}'s ring"
-            assert any(o[0] == "sync" and o[2] is prev for o in order[lo : reads[-1]]), (
-                f"{key}: ring buffer of slot {slot} refilled from disk before the host synced on its previous copy {prev}"
-            )
-        last_ring[(pi, slot)] = ready
-    return checked
-
-
-def check_consistent(h: Harness, hot_keys: set) -> None:
-    """Between layer calls: no slot is held, the table's invariants hold, and every slot's occupant sits there."""
-    mgr = h.mgr
-    mgr.table.check()
-    for pool in mgr.pools:
-        assert all(c == 0 for c in mgr.table.readers(pool.index)), f"readers leaked: {mgr.table.readers(pool.index)}"
-        for s in range(pool.n_slots):
-            k = mgr.table.occupant(pool.index, s)
-            if k is not None:
-                assert mgr.table[k].slot == s, f"slot {s} names {k}, the table says {mgr.table[k]}"
-    for k, r in mgr.table.items():
-        assert r.hot == (k in hot_keys)
-
-
-def check_call(h: Harness, world: World, held: list, hot_slots: set) -> None:
-    """After ``wait_all``: every held expert is exactly its own weights, in its own slot, which the
-    compute stream waited on (or on a later write of the same stream) after its copy."""
-    mgr, order, compute, truth = h.mgr, h.rec.order, h.streams.compute, world.truth
-    assert len({(x.pool.index, x.slot) for x in held}) == len(held), "two holders share one slot"
-    for x in held:
-        pi = x.pool.index
-        assert mgr.table.occupant(pi, x.slot) == x.key and mgr.table[x.key].slot == x.slot
-        assert mgr.table.state(pi, x.slot) is SlotState.IN_USE
-        assert_holds(x.tensors, truth[x.key], f"held {x.key} (slot {x.slot})")
-        if x.slot in hot_slots:
-            assert mgr.table[x.key].hot
-            continue
-        ev = h.ready.get((pi, x.slot))
-        assert ev is not None, f"staging slot {x.slot} held without ever being written"
-        assert covered(order, index_of_record(order, ev), len(order), compute), (
-            f"{x.key}: the compute stream did not wait on slot {x.slot}'s ready event {ev} (or a later one of its stream) before use")
-
-
-def run_scenario(world: World, staging: int, n_hot: int, n_warm: int, calls) -> int:
-    manifest = world.manifest
-    n = len(manifest.keys)
-    h = build(manifest, staging, *fractions(manifest, staging, n_hot, n_warm))
-    mgr = h.mgr
-    p = mgr.placement
-    hot_keys, warm_keys, cold_keys = set(p.hot), set(p.warm), set(p.cold)
-    assert (len(hot_keys), len(warm_keys), len(cold_keys)) == (n_hot, n_warm, n - n_hot - n_warm), "all three tiers in use"
-    (pool,) = mgr.pools
-    assert pool.n_slots == n_hot + staging
-    hot_slots = set(range(n_hot))
-    raised = False
-    try:
-        for layer, experts, fail in calls:
-            need = sum(not mgr.table[ExpertKey(layer, e)].hot for e in experts)
-            h.fail_key = ExpertKey(layer, experts[fail % len(experts)]) if fail is not None and experts else None
-            failed_before = h.failed_reads
-            try:
-                held = mgr.slots.acquire_layer(layer, experts)
-            except IntegrityError:
-                assert h.failed_reads == failed_before + 1, "an IntegrityError nobody injected"
-                raised = True
-                mgr.slots.drain()  # the call's other read-aheads land (they hold their slots until then)
-                assert mgr.table[h.fail_key or ExpertKey(layer, experts[fail % len(experts)])].slot is None
-            else:
-                if need > staging:
-                    assert held is None, "more misses than staging slots cannot be held at once"
-                else:
-                    assert held is not None and [x.key.expert for x in held] == experts, "every expert held once, in order"
-                    mgr.slots.wait_all(held)
-                    check_call(h, world, held, hot_slots)
-                    h.reading = True
-                    mgr.slots.release_all(held)
-                    h.reading = False
-            h.fail_key = None
-            # nothing is held between layer calls, and the table agrees with itself
-            check_consistent(h, hot_keys)
-
-        # the copy stream never wrote into a hot slot, and waited on the last read before every rewrite
-        assert all(w[1] not in hot_slots for w in h.writes)
-        checked = check_write_ordering(h) + check_ring_ordering(h)
-
-        # hits/misses arithmetic
-        s = report.stats(mgr)
-        lookups = len(h.acquired)
-        assert s.hits["gpu"] + s.hits["cpu"] + s.hits["nvme"] == lookups
-        assert s.misses["gpu"] == s.hits["cpu"] + s.hits["nvme"]
-        assert s.misses["cpu"] == s.hits["nvme"]
-        assert s.misses["nvme"] == 0
-        assert s.hits["gpu"] >= sum(1 for k in h.acquired if k in hot_keys), "a hot expert is always a gpu hit"
-        nbytes = {k: manifest.ref(k, "bf16").nbytes for k in manifest.keys}
-        assert s.bytes_moved == {"cpu": sum(nbytes[w[2]] for w in h.writes if w[3] == "cpu"),
-                                 "nvme": sum(nbytes[w[2]] for w in h.writes if w[3] == "nvme")}
-        assert all((w[3] == "cpu") == (w[2] in warm_keys) for w in h.writes), "every write comes from its expert's home tier"
-        # every miss is one slot write, from the expert's home tier; every write is one miss unless a call
-        # raised (its read-aheads that landed count their miss at their expert's next lookup, if it is still there)
-        assert s.hits["cpu"] == sum(1 for w in h.writes if w[3] == "cpu")
-        assert s.hits["nvme"] <= sum(1 for w in h.writes if w[3] == "nvme")
-        if not raised:
-            assert s.hits["cpu"] + s.hits["nvme"] == len(h.writes)
-        return checked
-    finally:
-        mgr.close()
-
-
-layer_calls = st.lists(
-    st.tuples(
-        st.integers(0, 2),  # layer
-        st.sets(st.integers(0, 7), max_size=8).map(sorted),  # routed experts, ascending
-        # sometimes a disk read of one expert of this call fails its checksum (IntegrityError)
-        st.sampled_from([None, None, None, 0, 1, 2]),
-    ),
-    min_size=1,
-    max_size=14,
-)
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(staging=st.integers(1, 5), n_hot=st.integers(1, 6), n_warm=st.integers(1, 6), calls=layer_calls)
-def test_layer_calls_never_overwrite_a_slot_in_use(world, staging, n_hot, n_warm, calls):
-    run_scenario(world, staging, n_hot, n_warm, calls)
-
-
-@pytest.mark.parametrize("staging", [1, 2, 3, 4, 5])  # 1, 2, 4 divide the 8 experts of a layer; 3 and 5 do not
-def test_rewrites_are_ordered_after_reads(world, staging):
-    """Deterministic sweeps that force many slot rewrites, so the ordering check is exercised: each
-    layer's experts in calls of ``staging`` (the last one shorter where it does not divide 8), whole
-    layers that cannot be held at once, and calls whose disk read fails."""
-    def sweep(L):
-        return [(L, list(range(i, min(i + staging, 8))), None) for i in range(0, 8, staging)]
-
-    calls = [c for L in (0, 1, 2, 1, 0) for c in sweep(L)]
-    calls += [(2, list(range(8)), None), (2, [0, 3, 5, 7][:staging], None), (2, [1, 2, 4, 6][:staging], None), (0, [7], None)]
-    calls += [(2, list(range(8))[:staging], 0), *sweep(2), (0, [6, 7][:staging], 1), *sweep(0)]
-    checked = run_scenario(world, staging, n_hot=2, n_warm=5, calls=calls)
-    assert checked > 0, "no slot was rewritten after a read: the ordering check did not run"
-
 
 def test_truth_matches_pack(world):
     """The oracle (transformers) and the packed bf16 blobs agree, so a mismatch above is the slots'."""
@@ -539,141 +264,3 @@ def test_truth_matches_pack(world):
                 assert torch.equal(out[n], truth[k][n]), f"{k} {n}"
     finally:
         disk.close()
-
-
-@pytest.mark.parametrize("staging", [1, 2, 3])
-def test_failed_disk_read_leaves_slots_consistent(world, staging):
-    """A checksum failure while staging a cold expert raises IntegrityError and changes nothing: no slot
-    stays held, slot occupants and the table still agree, and serving (that expert too) goes on."""
-    n = len(world.manifest.keys)
-    h = build(world.manifest, staging, (staging + 1 + 0.5) / n, (1 + 0.5) / n)
-    mgr = h.mgr
-    try:
-        hot_keys = set(mgr.placement.hot)
-        cold = [k for k in mgr.placement.cold if k.layer == 2]
-        first = [k.expert for k in cold[:staging]]  # fill every staging slot
-        held = mgr.slots.acquire_layer(2, first)
-        mgr.slots.wait_all(held)
-        mgr.slots.release_all(held)
-        victim = cold[staging]
-        h.fail_key = victim
-        with pytest.raises(IntegrityError, match="injected"):
-            mgr.slots.acquire_layer(2, [victim.expert])
-        assert h.failed_reads == 1 and mgr.table[victim].slot is None
-        check_consistent(h, hot_keys)
-        assert all(mgr.table.occupant(0, s) is not None for s in mgr.pools[0].staging), "the failed read emptied no slot"
-        # the same expert and the slots' previous tenants are served exactly afterwards
-        for experts in ([victim.expert], first, [victim.expert] + first[:1]):
-            experts = sorted(experts)[:staging]
-            held = mgr.slots.acquire_layer(2, experts)
-            mgr.slots.wait_all(held)
-            for x in held:
-                assert_holds(x.tensors, world.truth[x.key], str(x.key))
-            mgr.slots.release_all(held)
-            check_consistent(h, hot_keys)
-    finally:
-        mgr.close()
-
-
-# =============================================================================================
-# Calls through a loaded model
-# =============================================================================================
-INT8 = {"tiers": {"gpu": {"fraction": 0.25, "staging_slots": 2}, "cpu": {"fraction": 0.4}, "nvme": {"precision": "int8"}}}
-
-
-def _nothing_held(mgr) -> bool:
-    return all(r == 0 for p in mgr.pools for r in mgr.table.readers(p.index))
-
-
-def test_a_call_that_does_not_fit_holds_nothing(packed_factory, device):
-    """More misses than staging slots: ``acquire_layer`` gives up, releasing what it had held, and
-    the same layer is then held in calls that fit."""
-    mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
-    staging = len(mgr.pools[0].staging)
-    misses = [e for e in range(8) if not mgr.table[ExpertKey(0, e)].hot]
-    assert len(misses) > staging
-    acquired = []
-    real = mgr.slots.acquire
-    mgr.slots.acquire = lambda key: (lambda got: acquired.append(got) or got)(real(key))
-    assert mgr.slots.acquire_layer(0, list(range(8))) is None
-    assert sum(x is not None for x in acquired) >= staging, "some experts were held before it gave up"
-    assert _nothing_held(mgr)
-    mgr.table.check()
-    served = []
-    for i in range(0, len(misses), staging):
-        held = mgr.slots.acquire_layer(0, misses[i : i + staging])
-        assert held is not None
-        mgr.slots.wait_all(held)
-        served += [x.key.expert for x in held]
-        mgr.slots.release_all(held)
-    assert served == misses and _nothing_held(mgr)
-
-
-def test_an_exception_in_a_held_call_releases_its_slots(packed_factory, monkeypatch):
-    """A kernel that raises inside the held path: its slots are released all the same."""
-    from tiers.paths import compute
-    from tiers.paths.routing import route
-
-    model = tiers.load(packed_factory("mixtral"), INT8, device="cpu", progress=False)
-    mgr = manager_of(model)
-    from tiers.loader.layout import find_experts_modules
-
-    module = find_experts_modules(model)[1][1]
-
-    def boom(*a, **kw):
-        assert not _nothing_held(mgr), "the call holds its experts while its kernels are queued"
-        raise ZeroDivisionError
-
-    monkeypatch.setattr(compute, "grouped_device", boom)
-    monkeypatch.setattr(compute, "grouped_picks", boom)
-    hot = [e for e in range(8) if mgr.table[ExpertKey(1, e)].hot]
-    other = [e for e in range(8) if e not in hot][:2]  # as many misses as staging slots: the held path
-    assert hot and len(other) == len(mgr.pools[0].staging)
-    idx = torch.tensor([[hot[0], other[0]], [other[1], hot[0]]])
-    with pytest.raises(ZeroDivisionError):
-        mgr.held.run(module, 1, torch.randn(2, 64, dtype=torch.bfloat16), idx, torch.rand(2, 2, dtype=torch.bfloat16), route(idx, 8))
-    assert _nothing_held(mgr)
-
-
-def test_cached_staging_slot_is_a_gpu_hit(packed_factory, device):
-    mgr = manager_of(tiers.load(packed_factory("mixtral"), INT8, device=device, progress=False))
-    cold = mgr.placement.cold[0]
-    got = mgr.slots.acquire(cold)
-    mgr.slots.wait_all([got])
-    mgr.slots.release_all([got])
-    before = report.stats(mgr)
-    assert before.hits["nvme"] == 1
-    again = mgr.slots.acquire(cold)
-    assert again.slot == got.slot and all(t.dtype == torch.bfloat16 and t.device.type == device.type for t in again.tensors.values())
-    mgr.slots.wait_all([again])
-    mgr.slots.release_all([again])
-    s = report.stats(mgr)
-    assert s.hits["gpu"] == before.hits["gpu"] + 1 and s.hits["nvme"] == 1
-    assert s.gpu_slots["cached"] >= 1
-
-
-def test_more_misses_than_staging_slots_in_one_call(packed_factory, checkpoint_factory, device):
-    """One staging slot, a call routed to every expert of a layer: served (streamed), every lookup
-    counted once, nothing held after, and the output bit-identical to transformers' grouped_mm
-    experts (bf16 tiers)."""
-    from tiers.loader.layout import find_experts_modules
-    from transformers import AutoModelForCausalLM
-
-    cfg = {"tiers": {"gpu": {"fraction": 0.2, "staging_slots": 1}, "cpu": {"fraction": 0.4, "precision": "bf16"}, "nvme": {"precision": "bf16"}}}
-    model = tiers.load(packed_factory("mixtral"), cfg, device=device, progress=False)
-    mgr = manager_of(model)
-    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
-    ref.set_experts_implementation("grouped_mm")
-    g = torch.Generator().manual_seed(0)
-    T, k = 8, 2
-    idx = torch.stack([torch.arange(T) % 8, (torch.arange(T) + 3) % 8], dim=1).to(device)  # every expert, twice
-    w = torch.rand(T, k, generator=g).to(device, torch.bfloat16)
-    x = torch.randn(T, 64, generator=g).to(device, torch.bfloat16)
-    with torch.no_grad():
-        got = find_experts_modules(model)[2][1](x, idx, w)
-        want = find_experts_modules(ref)[2][1](x, idx, w)
-    assert torch.equal(got, want)
-    s = tiers.stats(model)
-    assert s.hits["cpu"] + s.hits["nvme"] + s.hits["gpu"] == 8
-    assert s.streamed["calls"] == 1 and s.streamed["parts"] >= 7
-    assert _nothing_held(mgr)

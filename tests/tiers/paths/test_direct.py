@@ -6,30 +6,24 @@ On CUDA the path is on by default; on the CPU the tests switch the decode switch
 the torch reference kernel. Against an untiered model whose decode stage runs batched_mm (as
 transformers' does on a GPU), bf16 tiers give bit-identical logits on both devices.
 
-Also the direct stacks of the host-routed path: small warm misses decoded by one launch straight
-from the pinned pool into their staging slots.
+The direct stacks of the host-routed path are in tests/tiers/paths/test_direct_stacks.py, and the
+slot ownership of decode stages coming and going in tests/tiers/paths/test_direct_ownership.py.
 """
 from __future__ import annotations
 
-import random
 from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import tiers
-from tiers import report
 from blob_files import decoded
-from tier_fakes import recorded_manager
 from tiers.api import manager_of
 from tiers.loader.layout import ExpertKey, find_experts_modules
 from tiers.paths import direct as direct_mod
 from tiers.paths.direct import DirectPath
-from tiers.store.table import Home, SlotState
+from tiers.store.table import Home
 from tiers.transfer import staging as staging_mod
-from tiers.transfer.staging import Staging
 from untiered import GEN, assert_consistent, assert_generate_equal, prompt, reference
 
 # a few experts hot per layer, every other one warm in bf16; 8 staging slots, all reserved for direct misses
@@ -400,169 +394,3 @@ def test_the_rebalancer_reads_the_direct_counts_only_after_a_direct_call(device,
     assert mgr.direct.take_usage() is None and reads == [1], "taken already: nothing new to read"
     mgr.end_decode()
     mgr.close()
-
-
-# -- direct stacks: the staging path's small misses, read in place ------------------------------
-def test_direct_stacks_serve_the_decoded_blob(device, packed_factory):
-    """Random layer calls staged through direct stacks (forced on the CPU, the default on CUDA):
-    every slot holds exactly its blob dequantized alone (warm ones from the pool, cold ones from
-    their slot's ring buffer), and no copy into a transit row is made."""
-    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 6}, "cpu": {"fraction": 0.25, "precision": "int8"}, "nvme": {"precision": "int8"}}}
-    packed = packed_factory("qwen3_moe")
-    mgr = manager_of(tiers.load(packed, cfg, device=device, progress=False))
-    if device.type == "cpu":
-        mgr.staging.direct_reads = True
-    assert mgr.staging.direct_reads
-    copies = []
-    mgr.staging._stage_copy = lambda *a: copies.append(a)
-    rng = random.Random(0)
-    layers = [L for L in mgr.manifest.layers if not mgr.resident.qualifies(L)]
-    checked, cold = 0, 0
-    for _ in range(30):
-        layer = rng.choice(layers)
-        held = mgr.slots.acquire_layer(layer, sorted(rng.sample(range(8), rng.randint(2, 6))))
-        mgr.slots.wait_all(held)
-        for h in held:
-            r = mgr.table[h.key]
-            if not r.hot:
-                want = decoded(packed, h.key, mgr.staging.precision_of(r), device)
-                for name, t in h.tensors.items():
-                    assert torch.equal(t, want[name]), f"{h.key} {name}"
-                checked += 1
-                cold += r.home is Home.NVME
-        mgr.slots.release_all(held)
-    assert checked > 30 and cold > 0 and not copies
-    assert report.stats(mgr).direct["stacks"] > 0
-    assert_consistent(mgr)
-
-
-def test_a_direct_stack_reads_after_the_slots_last_reads_and_before_its_ready_event(packed_factory):
-    """Recording streams: a direct stack's launch (a use of the copy stream) comes after the copy
-    stream waited on the last read of every slot it rewrites; its slots' ready event is recorded
-    on the copy stream after the launch; stacks hold at most ``STACK_EXPERTS`` experts."""
-    mgr, rec, _ = recorded_manager(packed_factory("qwen3_moe"), {"gpu": {"fraction": 0.4, "staging_slots": 4},
-                                                                 "cpu": {"fraction": 0.5, "precision": "int8"}})
-    mgr.staging.direct_reads = True
-    pool = mgr.pools[0]
-    stacks = []
-    fetch = mgr.staging._fetch_stack
-
-    def spy(pool_, blob, src, starts, slots, stream, tensors=None):
-        if src is mgr.staging.host.slab:  # a direct stack (else a decode from transit rows)
-            rec.order.append(("fetch", None, tuple(slots)))
-            stacks.append(tuple(slots))
-        fetch(pool_, blob, src, starts, slots, stream, tensors)
-
-    mgr.staging._fetch_stack = spy
-    layers = [L for L in mgr.manifest.layers if not mgr.resident.qualifies(L)]
-    copy = mgr.staging.copy_stream
-    checked = 0
-    for round_ in range(12):
-        layer = layers[round_ % len(layers)]
-        misses = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].hot][:4]
-        last_reads = {s: mgr.table.last_read(pool.index, s) for s in range(pool.n_slots)}
-        start = len(rec.order)
-        held = mgr.slots.acquire_layer(layer, misses)
-        assert held is not None
-        order = rec.order[start:]
-        for slots in stacks:
-            at = next(i for i, o in enumerate(order) if o[0] == "fetch" and o[2] == slots)
-            ready = mgr.table.ready_event(pool.index, slots[0])
-            assert len(slots) <= Staging.STACK_EXPERTS
-            for s in slots:
-                ev = last_reads[s]
-                if ev is not None:
-                    assert any(o[0] == "wait" and o[1] is copy and o[2] is ev for o in order[:at]), f"slot {s}"
-                    checked += 1
-            rec_at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is ready)
-            assert order[rec_at][1] is copy and rec_at > at
-            for h in held:
-                if h.slot in slots:
-                    assert mgr.table.ready_event(pool.index, h.slot) is ready
-        assert stacks, "the misses must be read by direct stacks"
-        stacks.clear()
-        mgr.slots.wait_all(held)
-        mgr.slots.release_all(held)
-    assert checked > 10
-    assert_consistent(mgr)
-
-
-# -- property test: slot ownership while decode stages come and go -----------------------------
-_OPS = st.lists(st.tuples(st.sampled_from(["begin", "end", "direct", "acquire", "host"]),
-                          st.integers(0, 2), st.lists(st.integers(0, 7), min_size=1, max_size=4, unique=True)),
-                min_size=1, max_size=30)
-
-
-@pytest.fixture(scope="module")
-def direct_manager(packed_factory):
-    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8}, "cpu": {"budget": "64MiB", "precision": "int8"},
-                     "nvme": {"precision": "int8"}}}
-    packed = packed_factory("qwen3_moe")
-    mgr = manager_of(tiers.load(packed, cfg, device="cpu", progress=False))
-    mgr.staging.direct_reads = mgr.direct.enabled = True  # the torch reference on the CPU
-    return mgr, packed
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=_OPS)
-def test_decode_stages_keep_slot_ownership(direct_manager, ops):
-    """Random decode stages, direct calls and host-routed calls (``host``: as the manager runs one in
-    the decode stage, giving a pool's reserved slots back first; ``acquire``: without): while a stage
-    runs its reserved slots stay reserved and empty in the table, never handed to the host-routed
-    path; each direct call leaves every pick that is not hot in a reserved slot holding exactly its
-    decoded blob (distinct picks in distinct slots) and every hot pick pointing at its hot slot;
-    after a stage nothing is held or reserved."""
-    mgr, packed = direct_manager
-    d = mgr.direct
-    for op, layer, experts in ops:
-        pool = mgr.pool_of[layer]
-        if op == "begin":
-            mgr.begin_decode()
-        elif op == "end":
-            mgr.end_decode()
-        elif op == "direct":
-            if not d.qualifies(layer, len(experts)):
-                assert not d.reserved
-                continue
-            t = d.layers[layer]
-            ids = d._fetch(t, layer, torch.tensor([experts]), t.counts)[0].tolist()
-            reserved = mgr.table.reserved_slots(pool.index, "direct")
-            assert len(set(ids)) == len(ids), "two picks of a call share a slot"
-            for e, slot in zip(experts, ids):
-                r = mgr.table[ExpertKey(layer, e)]
-                if r.hot:
-                    assert slot == r.slot
-                else:
-                    assert slot in reserved
-                    want = decoded(packed, ExpertKey(layer, e), "int8")
-                    assert all(torch.equal(pool.tensors(slot)[n], want[n]) for n in want)
-            # the slot cache: one expert per lane, each non-hot pick's lane naming its cell
-            cache = d.reserved[pool.index].cache
-            owners = [c for c in cache.owner.tolist() if c >= 0]
-            assert len(owners) == len(set(owners)), "an expert in two reserved slots"
-            row = mgr.table.grid.row[layer] * cache.width
-            for e, slot in zip(experts, ids):
-                if not mgr.table[ExpertKey(layer, e)].hot:
-                    assert cache.owner[cache.slots.tolist().index(slot)] == row + e
-        else:
-            if op == "host":
-                d.leave(pool)
-            reserved = {s for p in d.reserved for s in mgr.table.reserved_slots(p, "direct")}
-            held = mgr.slots.acquire_layer(layer, sorted(experts))
-            if held is not None:
-                assert not any(h.slot in reserved for h in held), "a host-routed call got a reserved slot"
-                mgr.slots.wait_all(held)
-                mgr.slots.release_all(held)
-            else:
-                assert reserved, "only reserved slots keep a call from its slots"
-        for p in mgr.pools:
-            slots = mgr.table.reserved_slots(p.index, "direct")
-            assert bool(slots) == (p.index in d.reserved), "the table's reservations are direct decode's"
-            for s in slots:
-                assert mgr.table.state(p.index, s) is SlotState.RESERVED and mgr.table.reserved(p.index, s) == "direct"
-            if slots:
-                assert d.reserved[p.index].cache.slots.tolist() == slots, "the device's slot cache covers the reserved slots"
-        mgr.table.check()
-    mgr.end_decode()
-    mgr.slots.drain()
-    assert_consistent(mgr)

@@ -5,7 +5,8 @@ rows sorted once by (part, slot). It takes disk misses and calls whose picks are
 its reserved slots go back to the cache holding their last parts' experts.
 
 Whole-layer calls, which plan through the same path without waiting for their routing, are in
-tests/tiers/paths/test_whole.py.
+tests/tiers/paths/test_whole.py; the order of a streamed call's reads, waits and kernels in
+tests/tiers/paths/test_streamed_order.py.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 import tiers
 from blob_files import decoded
-from tier_fakes import recorded_manager, waits_between
+from streamed_helpers import staged_layers, tiers_config
 from tiers.api import manager_of
 from tiers.loader.layout import ExpertKey
 from tiers.paths import streamed as streamed_mod
@@ -28,11 +29,6 @@ from untiered import assert_consistent, layer_calls, reference, spy_paths, spied
 WARM = {"gpu": {"fraction": 0.25, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"}, "nvme": {"precision": "bf16"}}
 
 
-def _tiers(precision: str = "bf16", fraction: float = 0.4, staging: int = 4, cpu: dict | None = None) -> dict:
-    return {"gpu": {"fraction": fraction, "staging_slots": staging}, "cpu": (cpu or {"budget": "64MiB"}) | {"precision": precision},
-            "nvme": {"precision": precision}}
-
-
 def _load(packed, tiers_: dict, device):
     return tiers.load(packed, {"tiers": tiers_}, device=device, progress=False)
 
@@ -40,10 +36,6 @@ def _load(packed, tiers_: dict, device):
 def _host_routed(monkeypatch, mgr) -> None:
     """No call runs whole: long calls wait for their routing, and those whose misses outgrow the slots stream."""
     monkeypatch.setattr(mgr.whole, "qualifies", lambda layer, tokens, top_k: False)
-
-
-def _staged(mgr) -> list[int]:
-    return [L for L in sorted(mgr.manifest.layers) if not mgr.resident.qualifies(L)]
 
 
 # -- exact outputs ------------------------------------------------------------------------------------
@@ -63,7 +55,7 @@ def test_streamed_calls_are_bit_identical_to_grouped_mm(model_type, device, chec
             want, got = ref.get_submodule(name)(x, idx, w), mod(x, idx, w)
         assert torch.equal(want, got), f"layer {layer}"
     s = tiers.stats(model)
-    staged = len(_staged(mgr))
+    staged = len(staged_layers(mgr))
     assert staged and calls["streamed"] == s.streamed["calls"] == staged and s.streamed["whole"] == 0, (dict(calls), s.streamed)
     assert s.streamed["parts"] > 2 * s.streamed["calls"], "the calls must run in several parts"
     assert "long layer calls read in" in str(s) and s.as_dict()["streamed"] == s.streamed
@@ -77,7 +69,7 @@ def test_calls_whose_misses_outgrow_the_slots_stream_disk_misses_too(tokens, sta
     The streamed path serves it, reading its cold misses into the slots' ring buffers, and its
     output equals transformers' grouped_mm exactly, routing held fixed."""
     ref = reference(checkpoint_factory("mixtral"), device)
-    model = _load(packed_factory("mixtral"), _tiers(fraction=0.25, staging=staging, cpu={"fraction": 0.4}), device)
+    model = _load(packed_factory("mixtral"), tiers_config(fraction=0.25, staging=staging, cpu={"fraction": 0.4}), device)
     mgr = manager_of(model)
     calls = spy_paths(monkeypatch, mgr)
     parts = []
@@ -115,7 +107,7 @@ def test_streamed_int8_is_grouped_mm_over_the_decoded_blobs(direct_reads, device
     the reference kernel): a streamed part launches no direct stack."""
     packed = packed_factory("qwen3_moe")
     ref = reference(checkpoint_factory("qwen3_moe"), device)
-    model = _load(packed, _tiers("int8"), device)
+    model = _load(packed, tiers_config("int8"), device)
     mgr = manager_of(model)
     mgr.staging.direct_reads = direct_reads
     _host_routed(monkeypatch, mgr)
@@ -151,7 +143,7 @@ def test_streamed_int8_is_grouped_mm_over_the_decoded_blobs(direct_reads, device
 def test_a_streamed_call_with_a_trace_records_each_lookup_once(packed_factory, monkeypatch):
     """Recording a routing trace: a long call does not run whole; it streams, and every expert it
     routes to is recorded once (hot ones, ones cached in the slots it reserves, misses)."""
-    model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), "cpu")
+    model = _load(packed_factory("qwen3_moe"), tiers_config(fraction=0.25), "cpu")
     mgr = manager_of(model)
     calls = spy_paths(monkeypatch, mgr)
     mgr.slots.recorded = []
@@ -162,7 +154,7 @@ def test_a_streamed_call_with_a_trace_records_each_lookup_once(packed_factory, m
         with torch.no_grad():
             mod(x, idx, w)
         assert sorted(mgr.slots.recorded) == [ExpertKey(layer, e) for e in idx.unique().tolist()]
-    assert calls["whole"] == 0 and calls["streamed"] == len(_staged(mgr))
+    assert calls["whole"] == 0 and calls["streamed"] == len(staged_layers(mgr))
 
 
 def test_a_streamed_call_leaves_its_slots_cached_and_the_next_uses_them_in_place(device, checkpoint_factory, packed_factory, monkeypatch):
@@ -171,7 +163,7 @@ def test_a_streamed_call_leaves_its_slots_cached_and_the_next_uses_them_in_place
     opens its first parts with those experts where they lie (no read: gpu hits), reads only the
     rest, shows the cache policy every lookup of a warm expert, and both outputs equal grouped_mm."""
     ref = reference(checkpoint_factory("qwen3_moe"), device)
-    model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), device)
+    model = _load(packed_factory("qwen3_moe"), tiers_config(fraction=0.25), device)
     mgr = manager_of(model)
     _host_routed(monkeypatch, mgr)
     (layer, name, mod, x, idx, w), plans, want = spied_tiered_call(model, mgr, ref, monkeypatch, seed=7)
@@ -208,7 +200,7 @@ def test_a_streamed_call_empties_slots_cached_by_another_layer(device, checkpoin
     """Staging slots holding another layer's experts (left by a short call) are emptied and
     reserved: those experts leave the GPU, and the output equals grouped_mm's."""
     ref = reference(checkpoint_factory("qwen3_moe"), device)
-    model = _load(packed_factory("qwen3_moe"), _tiers(fraction=0.25), device)
+    model = _load(packed_factory("qwen3_moe"), tiers_config(fraction=0.25), device)
     mgr = manager_of(model)
     _host_routed(monkeypatch, mgr)
     calls = [c for c in layer_calls(model, 64, seed=5) if not mgr.resident.qualifies(c[0])]
@@ -235,7 +227,7 @@ def test_a_streamed_int8_part_is_one_stack_with_a_copy_per_run_of_adjacent_blobs
     to back in the host pool, into consecutive transit rows, then one stacked dequantization;
     each slot then holds exactly its blob dequantized alone."""
     packed = packed_factory("qwen3_moe")
-    mgr = manager_of(_load(packed, _tiers("int8"), device))
+    mgr = manager_of(_load(packed, tiers_config("int8"), device))
     staging = mgr.staging
     copies, stacks = [], []
     check, dequantize = staging._check_pinned, staging._dequantize
@@ -243,7 +235,7 @@ def test_a_streamed_int8_part_is_one_stack_with_a_copy_per_run_of_adjacent_blobs
     staging._dequantize = lambda b, g: stacks.append(list(g.slots)) or dequantize(b, g)
     width = staging.transit[mgr.pools[0].index].shape[1]
     runs_seen = 0
-    for layer in _staged(mgr):
+    for layer in staged_layers(mgr):
         s = mgr.streamed.plan(layer, list(range(8)))
         for p, part in enumerate(s.parts):
             copies.clear(), stacks.clear()
@@ -269,11 +261,11 @@ def test_a_streamed_call_reads_its_misses_in_host_pool_order(device, packed_fact
     newcomer's place): a streamed call takes its misses in the order of their places, so its
     parts copy as few runs as before such a swap, and each slot still holds its own expert."""
     packed = packed_factory("qwen3_moe")
-    mgr = manager_of(_load(packed, _tiers("int8"), device))
+    mgr = manager_of(_load(packed, tiers_config("int8"), device))
     copies = []
     check = mgr.staging._check_pinned
     mgr.staging._check_pinned = lambda src: copies.append(src.numel()) or check(src)
-    layer = _staged(mgr)[0]
+    layer = staged_layers(mgr)[0]
 
     def stream() -> list[list[int]]:
         copies.clear()
@@ -307,144 +299,6 @@ def test_a_streamed_call_reads_its_misses_in_host_pool_order(device, packed_fact
     assert offs == sorted(offs), after
     assert len(copies) == n_copies, "the swap split the parts' runs"
     assert_consistent(mgr)
-
-
-# -- the order of reads, waits and kernels (recording streams) ----------------------------------------------
-def _spy_reads(mgr, rec) -> None:
-    """Log ("read", slot, key) for each copy a part queues (one driver batch of bf16 blobs)."""
-    write_part, write = mgr.staging.write_part, mgr.staging.write
-
-    def spy_part(pool, blob, slots, srcs):
-        done = write_part(pool, blob, slots, srcs)
-        if done:
-            rec.order.extend(("read", slot, mgr.table.occupant(pool.index, slot)) for slot in slots)
-        return done
-
-    def spy_write(key, pool, slot, *a, **kw):
-        rec.order.append(("read", slot, key))
-        return write(key, pool, slot, *a, **kw)
-
-    mgr.staging.write_part, mgr.staging.write = spy_part, spy_write
-
-
-@pytest.mark.parametrize("first_two", [False, True])
-@pytest.mark.parametrize("cached", [0, 1, 3])
-def test_streamed_parts_read_after_the_part_before_last_and_before_their_kernels(cached, first_two, packed_factory):
-    """Recording streams: part p's reads come after the copy stream waited on the event recorded
-    after part p - 2's kernels (the same buffer) and before the compute stream's wait for them,
-    which precedes part p's kernels; parts alternate between two disjoint buffers. With ``cached``
-    of the call's experts staged into staging slots first (their writes not yet waited on), those
-    are not read again: they open parts 0 and 1, and the compute stream waits on their writes
-    before those kernels. ``first_two``: parts 0 and 1 are queued before any kernel, as ``run`` does."""
-    mgr, rec, _ = recorded_manager(packed_factory("qwen3_moe"), _tiers(fraction=0.4))
-    layer = _staged(mgr)[0]
-    pool = mgr.pool_of[layer]
-    warm = [e for e in range(8) if not mgr.table[ExpertKey(layer, e)].hot]
-    ahead = warm[-cached:] if cached else []
-    for e in ahead:
-        key = ExpertKey(layer, e)
-        assert mgr.slots.claim(key, mgr.table[key], pool) is not None
-    pre_ready = {mgr.table[ExpertKey(layer, e)].slot: mgr.table.ready_event(pool.index, mgr.table[ExpertKey(layer, e)].slot) for e in ahead}
-    assert all(ev is not None for ev in pre_ready.values())
-    _spy_reads(mgr, rec)
-    path = mgr.streamed
-    s = path.plan(layer, list(range(8)))
-    assert len(s.parts) >= 3, "the test needs three parts or more"
-    assert len(s.buffers) == 2 and not set(s.buffers[0]) & set(s.buffers[1])
-    assert s.preloaded == set(ahead) and s.preloaded <= set(s.parts[0] + s.parts[1])
-    assert sorted(e for part in s.parts for e in part) == warm and all(mgr.table[h.key].hot for h in s.held)
-    kernels = {}
-    path.read_part(s, 0)
-    if first_two:
-        path.read_part(s, 1)
-    mgr.slots.wait_all(s.held)
-    for p in range(len(s.parts)):
-        if p + 1 < len(s.parts) and not (first_two and p == 0):
-            path.read_part(s, p + 1)
-        path.wait_part(s, p)
-        kernels[p] = len(rec.order)
-        rec.order.append(("kernels", p, None))
-        path.end_part(s, p)
-    path.end(s)
-    order = rec.order
-    compute, copy = mgr.streams.current(), mgr.staging.copy_stream
-    for p, part in enumerate(s.parts):
-        for e, slot in zip(part, s.part_slots[p]):
-            if e in s.preloaded:  # no read; its write (or a later event on that stream) is waited on before the part's kernels
-                at = next(i for i, o in enumerate(order) if o[0] == "record" and o[2] is pre_ready[slot])
-                later = {id(o[2]) for o in order[at:] if o[0] == "record" and o[1] is order[at][1]}
-                assert any(o[0] == "wait" and o[1] is compute and id(o[2]) in later for o in order[at:kernels[p]]), f"part {p}, slot {slot}"
-        part = [e for e in part if e not in s.preloaded]
-        if not part:
-            continue
-        at = [i for i, o in enumerate(order) if o[0] == "read" and o[2] in {ExpertKey(layer, e) for e in part}]
-        assert len(at) == len(part) and {order[i][1] for i in at} == {sl for e, sl in zip(s.parts[p], s.part_slots[p]) if e in part}
-        if p >= 2:
-            freed = next(o[2] for o in order[kernels[p - 2]:] if o[0] == "record" and o[1] is compute)
-            assert waits_between(order, kernels[p - 2], at[0], copy, freed), f"part {p}"
-        # the compute stream waits on an event recorded after the part's reads, before its kernels
-        waits = [o[2] for o in order[at[-1]:kernels[p]] if o[0] == "wait" and o[1] is compute]
-        recorded_after = {id(o[2]) for o in order[at[-1]:kernels[p]] if o[0] == "record"}
-        assert any(id(ev) in recorded_after for ev in waits), f"part {p}: kernels do not wait for its reads"
-    # each buffer goes back with the event recorded right after its last part's kernels
-    for h, buffer in enumerate(s.buffers):
-        last = max(p for p in range(len(s.parts)) if p % 2 == h)
-        after = next(o[2] for o in order[kernels[last]:] if o[0] == "record" and o[1] is compute)
-        assert all(mgr.table.last_read(pool.index, slot) is after for slot in buffer), f"buffer {h}"
-    assert_consistent(mgr)
-
-
-def test_a_streamed_call_that_fails_gives_its_slots_back_after_its_reads(packed_factory):
-    """A call that stops after queuing part 0's reads, before its kernels: every reserved slot
-    goes back with one last-read event recorded after the compute stream waited on those reads."""
-    mgr, rec, _ = recorded_manager(packed_factory("qwen3_moe"), _tiers(fraction=0.4))
-    layer = _staged(mgr)[0]
-    pool, compute = mgr.pool_of[layer], mgr.streams.current()
-    s = mgr.streamed.plan(layer, list(range(8)))
-    mgr.streamed.read_part(s, 0)
-    read_events = {id(mgr.table.ready_event(pool.index, slot)) for slot in s.part_slots[0]}
-    start = len(rec.order)
-    mgr.streamed.end(s)
-    tail = rec.order[start:]
-    waited = next(i for i, o in enumerate(tail) if o[0] == "wait" and o[1] is compute and id(o[2]) in read_events)
-    ev = next(o[2] for o in tail[waited:] if o[0] == "record" and o[1] is compute)
-    assert all(mgr.table.last_read(pool.index, slot) is ev for b in s.buffers for slot in b)
-    assert_consistent(mgr)
-
-
-def test_a_streamed_int8_part_copies_into_rows_only_after_their_last_dequantization(packed_factory):
-    """Recording streams: before a part's first copy the copy stream waits on the last
-    dequantization of every transit row the part writes (rows are reused part after part)."""
-    mgr, rec, _ = recorded_manager(packed_factory("qwen3_moe"), _tiers("int8", fraction=0.4))
-    staging = mgr.staging
-    pid = mgr.pools[0].index
-    check, dequantize = staging._check_pinned, staging._dequantize
-    staging._check_pinned = lambda src: rec.order.append(("copy", None, src.numel())) or check(src)
-    stacks = []
-    staging._dequantize = lambda b, g: stacks.append((g.row, len(g.slots))) or dequantize(b, g)
-    checked = 0
-    for layer in _staged(mgr) * 2:
-        s = mgr.streamed.plan(layer, list(range(8)))
-        for p in range(len(s.parts)):
-            before = dict(staging.transit_done)
-            start = len(rec.order)
-            n_stacks = len(stacks)
-            mgr.streamed.read_part(s, p)
-            if len(stacks) == n_stacks:  # cached experts alone: nothing read
-                mgr.streamed.wait_part(s, p)
-                mgr.streamed.end_part(s, p)
-                continue
-            row0, k = stacks[-1]
-            first = next(i for i in range(start, len(rec.order)) if rec.order[i][0] == "copy")
-            for r in range(row0, row0 + k):
-                ev = before.get((pid, r))
-                if ev is not None:
-                    assert waits_between(rec.order, start, first, staging.copy_stream, ev), f"layer {layer} part {p} row {r}"
-                    checked += 1
-            mgr.streamed.wait_part(s, p)
-            mgr.streamed.end_part(s, p)
-        mgr.streamed.end(s)
-    assert checked > 4
 
 
 # -- the schedule --------------------------------------------------------------------------------------
@@ -506,8 +360,8 @@ def test_two_buffers_at_most(packed_factory):
     one when a single slot is free."""
     assert streamed_mod.BUFFERS == 2
     for staging, n in ((4, 2), (1, 1)):
-        mgr = manager_of(_load(packed_factory("qwen3_moe"), _tiers(fraction=0.4, staging=staging), "cpu"))
-        layer = _staged(mgr)[0]
+        mgr = manager_of(_load(packed_factory("qwen3_moe"), tiers_config(fraction=0.4, staging=staging), "cpu"))
+        layer = staged_layers(mgr)[0]
         s = mgr.streamed.plan(layer, list(range(8)))
         assert len(s.buffers) == n and sorted(sum(s.buffers, [])) == list(mgr.pool_of[layer].staging)
         assert all(mgr.table.reserved(s.pool.index, slot) == "stream" for b in s.buffers for slot in b)

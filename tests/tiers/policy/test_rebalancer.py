@@ -2,10 +2,9 @@
 
 Most tests drive a ``Manager`` on the CPU over a packed tiny Mixtral with every tier in bf16, so
 any expert served from any tier, before or after a move, must equal its packed weights exactly.
-Calls are driven as the host-routed paths make them: ``Manager.count_call`` (which opens a token
-at the first pooled layer: ``Rebalancer.open_token``, then ``Rebalancer.count``), then
-``Slots.acquire_layer``/``wait_all``/``release_all``. After every rebalance and every landing the
-table's invariants are checked (``Table.check``).
+Calls are driven as the host-routed paths make them (rebalancer_helpers.py: ``drive``), and after
+every rebalance and every landing the table's invariants are checked (``checked``). Whole-model
+runs with the rebalancer on are tested in test_rebalancer_generate.py.
 
 ``margin`` and ``significance`` are module constants now (no config key): tests that need moves
 on small counts plan with both at 0 (the ``plans_move_on_any_gain`` fixture, what the old tests'
@@ -13,122 +12,32 @@ config gave), and one test checks the rebalancer plans with the constants themse
 """
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tiers
+from rebalancer_helpers import K, check_held, drive, hot_keys, manager, plan_on_any_gain, read_truth, skewed_calls, warm_count
 from tiers import report
-from tiers.api import manager_of
-from tiers.config import load_config
-from tiers.loader.layout import ExpertKey
-from tiers.loader.packed import read_manifest
-from tiers.manager import Manager
 from tiers.policy import rebalance, rebalancer
-from tiers.policy.placement import plan_placement
-from tiers.store.disk_store import DiskStore, IntegrityError
+from tiers.store.disk_store import IntegrityError
 from tiers.store.table import Home
 
 from tier_fakes import Recorder, RecordingStreams  # tests/tier_fakes.py
-
-K = lambda L, e: ExpertKey(L, e)  # noqa: E731
-
-BF16 = {"gpu": {"fraction": 0.25, "staging_slots": 2, "precision": "bf16"}, "cpu": {"fraction": 0.25, "precision": "bf16"},
-        "nvme": {"precision": "bf16"}}
 
 
 @pytest.fixture(autouse=True)
 def plans_move_on_any_gain(monkeypatch):
     """The rebalancer plans with margin 0 and significance 0 (tiny models count few lookups; the
     plan's thresholds are tests/tiers/policy/test_rebalance.py's)."""
-    monkeypatch.setattr(rebalancer, "plan_moves", functools.partial(rebalance.plan_moves, margin=0.0, significance=0.0))
-
-
-def checked(mgr: Manager) -> Manager:
-    """Check the table's invariants after every rebalance and every landing of ``mgr``'s rebalancer."""
-    rb = mgr.rebalancer
-    plan, land = rb.rebalance, rb.land
-
-    def rebalance_checked(freq):
-        moves = plan(freq)
-        mgr.table.check()
-        return moves
-
-    def land_checked(wait=False):
-        land(wait)
-        mgr.table.check()
-
-    rb.rebalance, rb.land = rebalance_checked, land_checked
-    return mgr
-
-
-def manager(packed, every=4, *, streams=None, **rebalance_cfg) -> Manager:
-    cfg = load_config({"tiers": BF16 | {"rebalance": {"every_tokens": every} | rebalance_cfg}})
-    manifest = read_manifest(packed)
-    mgr = Manager(manifest, cfg, plan_placement(cfg, manifest), device=torch.device("cpu"), streams=streams, progress=False)
-    return checked(mgr)
+    plan_on_any_gain(monkeypatch)
 
 
 @pytest.fixture
 def truth(packed_factory):
-    manifest = read_manifest(packed_factory("mixtral"))
-    disk = DiskStore(manifest, ["bf16"])
-    out = {}
-    for k in manifest.keys:
-        buf = torch.empty(manifest.ref(k, "bf16").nbytes, dtype=torch.uint8)
-        disk.read(k, "bf16", buf)
-        layout = manifest.layers[k.layer].layout
-        t = {x.name: torch.empty(x.shape, dtype=torch.bfloat16) for x in layout.tensors}
-        manifest.blob(k, "bf16").dequantize_into(buf, t)
-        out[k] = t
-    disk.close()
-    return out
-
-
-def _check_held(mgr, held, truth) -> None:
-    try:
-        mgr.slots.wait_all(held)
-        for h in held:
-            for name, t in h.tensors.items():
-                assert torch.equal(t, truth[h.key][name]), f"{h.key} {name} differs after a move"
-    finally:
-        mgr.slots.release_all(held)
-
-
-def serve(mgr, layer, experts, truth) -> None:
-    """Hold ``experts`` of ``layer`` as the held path does and check every one's weights bit-exactly;
-    more misses than free staging slots: one at a time (what the streamed path's parts hold)."""
-    held = mgr.slots.acquire_layer(layer, experts)
-    if held is not None:
-        _check_held(mgr, held, truth)
-        return
-    for e in experts:
-        h = mgr.slots.acquire(K(layer, e))
-        assert h is not None, f"{K(layer, e)}: every staging slot is held"
-        _check_held(mgr, [h], truth)
-
-
-def drive(mgr, calls, truth):
-    """Serve ``calls`` (layer, experts) one token each, counted as a host-routed call counts them."""
-    for layer, experts in calls:
-        mgr.count_call(layer, experts, 1, prefill=True)
-        serve(mgr, layer, experts, truth)
-
-
-def hot_keys(mgr) -> set:
-    return {k for k, r in mgr.table.items() if r.hot}
-
-
-def warm_count(mgr) -> int:
-    return sum(r.home is Home.CPU for _, r in mgr.table.items())
-
-
-def skewed_calls(tokens, favourite):
-    return [(L, sorted({favourite[L], (t * 3 + L) % 8})) for t in range(tokens) for L in range(3)]
+    return read_truth(packed_factory("mixtral"))
 
 
 # -- promotions, budgets ------------------------------------------------------------------------
@@ -206,7 +115,7 @@ def test_a_held_hot_slot_is_not_swapped_until_released(packed_factory, truth):
     mgr.rebalancer.land(wait=True)
     assert mgr.table[victim].hot, "swapped while held"
     assert newcomer in mgr.rebalancer.hot_reads
-    _check_held(mgr, held, truth)  # still its own weights, then released
+    check_held(mgr, held, truth)  # still its own weights, then released
     mgr.rebalancer.land(wait=True)
     assert mgr.table[newcomer].hot and not mgr.table[victim].hot
     drive(mgr, [(0, [newcomer.expert, victim.expert])], truth)
@@ -414,107 +323,6 @@ def test_a_demoted_expert_takes_the_place_its_newcomer_left(packed_factory, trut
     assert sorted(o for sp in rb.spares.values() for o in sp) == spares0 and not rb.relocations
     drive(mgr, [(0, [victim.expert])], truth)  # served exactly from its new place
     assert report.stats(mgr).hits["cpu"] >= 1
-    mgr.close()
-
-
-# -- generate ------------------------------------------------------------------------------------
-def test_generate_with_rebalancing_is_bit_identical(device, checkpoint_factory, packed_factory):
-    """All tiers bf16: moving experts between tiers while generating changes no logit."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("mixtral"), dtype=torch.bfloat16).to(device).eval()
-    ref.set_experts_implementation("grouped_mm")
-    cfg = {"tiers": BF16 | {"gpu": BF16["gpu"] | {"staging_slots": 8, "fraction": 0.6},
-                            "rebalance": {"every_tokens": 2, "window": 2}}}
-    model = tiers.load(packed_factory("mixtral"), cfg, device=device, progress=False)
-    mgr = checked(manager_of(model))
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3)).to(device)
-    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    a, b = ref.generate(ids, **kw), model.generate(ids, **kw)
-    assert torch.equal(a.sequences, b.sequences)
-    for x, y in zip(a.logits, b.logits):
-        assert torch.equal(x, y)
-    s = tiers.stats(model)
-    assert s.rebalance["rebalances"] >= 10 and s.rebalance["promoted_hot"] + s.rebalance["promoted_warm"] > 0
-    mgr.table.check()
-    mgr.close()
-
-
-def test_direct_decode_tables_agree_after_swaps_land(device, packed_factory, monkeypatch):
-    """Direct decode with the rebalancer swapping every two tokens: at every decode token's open,
-    once its swaps have landed, the device tables equal the table (``DirectPath.agrees``) and the
-    table's invariants hold; the logits equal those of the same tiers without the rebalancer
-    (bf16 tiers; graphs off, so CUDA runs the CPU's calls op by op)."""
-    cfg = {"tiers": {"gpu": {"fraction": 0.6, "staging_slots": 8, "graphs": False}, "cpu": {"budget": "64MiB", "precision": "bf16"},
-                     "nvme": {"precision": "bf16"}}}  # every expert not hot is warm: every layer can run direct
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    ids = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(3)).to(device)
-    out = []
-    for every in (0, 2):
-        model = tiers.load(packed_factory("mixtral"), {"tiers": cfg["tiers"] | {"rebalance": {"every_tokens": every, "window": 2}}},
-                           device=device, progress=False)
-        mgr = manager_of(model)
-        if device.type == "cpu":  # what a GPU does; the torch reference stands in for the kernel
-            mgr.batched_decode = True
-            mgr.staging.direct_reads = True
-            mgr.direct.enabled = True
-        assert mgr.direct.enabled
-        opened = []
-        if every:
-            checked(mgr)
-            open_token = mgr._open_decode_token
-
-            def open_checked(tokens, open_token=open_token, mgr=mgr):
-                open_token(tokens)
-                mgr.table.check()
-                opened.append((mgr.table.homes_version, mgr.direct.version, mgr.direct.agrees()))
-            monkeypatch.setattr(mgr, "_open_decode_token", open_checked)
-        out.append(model.generate(ids, **kw))
-        if every:
-            s = tiers.stats(model)
-            assert s.direct["decode_calls"] > 0, "no decode call ran direct"
-            assert s.rebalance["promoted_hot"] > 0, "the test needs swaps during decode"
-            assert opened and all(ok for *_, ok in opened), "the device tables disagree with the table"
-            assert all(v == d for v, d, _ in opened), "a decode token ran on tables older than its swaps"
-            assert len({v for v, *_ in opened}) > 1, "no swap landed between decode tokens"
-            mgr.rebalancer.land(wait=True)
-            mgr.direct.refresh()
-            assert mgr.direct.agrees()
-        mgr.close()
-    assert torch.equal(out[0].sequences, out[1].sequences)
-    assert all(torch.equal(x, y) for x, y in zip(out[0].logits, out[1].logits))
-
-
-def test_back_to_back_long_prompts_with_rebalancing_are_bit_identical(checkpoint_factory, packed_factory):
-    """Long prompts, one after another, read their layers whole (no host sync); each forward's
-    calls are counted after a later forward's last layer, where the rebalances they close are
-    planned and the swaps of earlier ones land. Moving experts between those forwards changes no
-    logit of any prompt, nor of a generate after them (all tiers bf16, the CPU: bit-identical)."""
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(checkpoint_factory("qwen3_moe"), dtype=torch.bfloat16).eval()
-    ref.set_experts_implementation("grouped_mm")
-    cfg = {"tiers": {"gpu": {"fraction": 0.4, "staging_slots": 4}, "cpu": {"budget": "64MiB", "precision": "bf16"},
-                     "nvme": {"precision": "bf16"},  # every expert not hot is warm: the layers can be read whole
-                     "rebalance": {"every_tokens": 2, "window": 2}}}
-    model = tiers.load(packed_factory("qwen3_moe"), cfg, device="cpu", progress=False)
-    mgr = checked(manager_of(model))
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 256, (1, 64), generator=g) for _ in range(6)]
-    k = model.config.num_experts_per_tok
-    assert all(mgr.whole.qualifies(L, 64, k) for L in mgr.manifest.layers if not mgr.resident.qualifies(L))
-    hot0 = hot_keys(mgr)
-    with torch.no_grad():
-        for ids in prompts:
-            assert torch.equal(ref(ids).logits, model(ids).logits)
-    assert mgr.stats_.whole_calls >= len(prompts), "the prompts did not read their layers whole"
-    mgr.rebalancer.land(wait=True)
-    assert hot_keys(mgr) != hot0, "nothing moved between the prompts"
-    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    a, b = ref.generate(prompts[0], **kw), model.generate(prompts[0], **kw)
-    assert torch.equal(a.sequences, b.sequences) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-    s = tiers.stats(model)
-    assert s.rebalance["rebalances"] >= len(prompts) - 1 and s.rebalance["promoted_hot"] > 0
     mgr.close()
 
 
