@@ -21,6 +21,10 @@ token after the first:
 - ``between_ms``: device time from a call's end to the next call's start (the next layer's
   attention, norms and router).
 
+``~parts`` and ``~library`` arms run with one of two candidate changes to how step graphs are
+launched patched in (``experiments/step_variants.py``); every arm records its step graphs' counts
+and its greedy tokens, so a failed capture or a changed answer shows.
+
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
 graphs hide the layers, so they are timed as a whole unless ``~nograph`` turns graphs off. Then
 each direct call gives ``fetch_ms`` (device time of its plan and fetch launches, which read its
@@ -260,11 +264,14 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
             mgr.batched_decode = mgr.staging.direct_reads = mgr.direct.enabled = True
         m.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
         ms = decode_ms_per_token(m, prompt, args.tokens, device, 3)
+        captures = tiers.stats(m).as_dict().get("step_graphs")  # the warm-up's and timing's: captures, failures
         mgr.reset_stats()
-        m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
-        moved = sum(tiers.stats(m).bytes_moved.values()) / args.tokens
+        ids = m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+        stats = tiers.stats(m)
+        moved = sum(stats.bytes_moved.values()) / args.tokens
         row = {"decode_ms_per_token": round(ms, 3), "mib_moved_per_token": round(moved / 2**20, 1),
-               "bytes_ms_per_token": round(moved / 55e9 * 1e3, 3)}
+               "bytes_ms_per_token": round(moved / 55e9 * 1e3, 3), "step_graphs_timed": captures,
+               "tokens": ids[0, prompt.shape[1]:].tolist()}
         if "direct" not in variants or "nograph" in variants:
             marks = Marks(device.type == "cuda")
             undo = instrument(m, mgr, marks)
@@ -305,6 +312,7 @@ def main() -> int:
     from tiers.loader.pack import pack
     from tiers.tools.bench_arms import arm_precisions
     from tiers.tools.measure import SHAPES, TINY, build, expert_bytes_of, write_result
+    from step_variants import patched
 
     shape = dict((TINY if args.tiny else SHAPES)[args.model], layers=args.layers)
     model = build(args.model, shape, device)
@@ -319,7 +327,8 @@ def main() -> int:
     result = {"command": "python3 experiments/decode_marks.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
               "device": str(device) if args.tiny else torch.cuda.get_device_name(), "arms": {}}
     for name in arms:
-        result["arms"][name] = run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device)
+        with patched(set(name.split("~")[1:])) as patches:  # ``~parts``, ``~library``: experiments/step_variants.py
+            result["arms"][name] = dict(run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device), **patches())
         print(name, result["arms"][name], flush=True)
     write_result(args.out, result)
     return 0
