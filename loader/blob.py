@@ -20,18 +20,8 @@ from ..quant import FieldSpec, QuantizedTensor
 FIELD_ALIGN = 256
 BLOB_ALIGN = 4096
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.uint8)}
-
-
 def align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
