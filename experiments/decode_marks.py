@@ -327,8 +327,11 @@ def main() -> int:
     result = {"command": "python3 experiments/decode_marks.py " + " ".join(sys.argv[1:]), "model": args.model, "shape": shape,
               "device": str(device) if args.tiny else torch.cuda.get_device_name(), "arms": {}}
     for name in arms:
-        with patched(set(name.split("~")[1:])) as patches:  # ``~parts``, ``~library``: experiments/step_variants.py
-            result["arms"][name] = dict(run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device), **patches())
+        try:
+            with patched(set(name.split("~")[1:])) as patches:  # ``~parts``, ``~library``: experiments/step_variants.py
+                result["arms"][name] = dict(run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device), **patches())
+        except Exception as exc:  # noqa: BLE001 (one arm's failure, recorded; the other arms still run)
+            result["arms"][name] = {"error": repr(exc)}
         print(name, result["arms"][name], flush=True)
     write_result(args.out, result)
     return 0

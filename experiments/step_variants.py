@@ -103,20 +103,23 @@ def library():
     """Relaunchers launch library-loaded functions of their kernels' cubins."""
     from tiers.quant.launch import Relauncher
 
-    learn, swapped = Relauncher._learn, []
+    learn, swapped, errors = Relauncher._learn, [], []
 
     def learn_library(self, kernel, grid, args):
         entry = learn(self, kernel, grid, args)
         if isinstance(entry, tuple):
             compiled = kernel.result() if hasattr(kernel, "result") else kernel
-            entry = (entry[0], library_function(compiled), *entry[2:])
-            swapped.append(compiled.name if hasattr(compiled, "name") else "?")
+            try:
+                entry = (entry[0], library_function(compiled), *entry[2:])
+                swapped.append(getattr(compiled, "name", "?"))
+            except (RuntimeError, OSError, AttributeError, KeyError) as exc:  # Triton's own function stays
+                errors.append(repr(exc))
         return entry
 
     _forget()
     Relauncher._learn = learn_library
     try:
-        yield lambda: {"library_functions": len(swapped), "kernels": sorted(set(swapped))}
+        yield lambda: {"library_functions": len(swapped), "kernels": sorted(set(swapped)), "library_errors": sorted(set(errors))}
     finally:
         Relauncher._learn = learn
         _forget()
