@@ -191,7 +191,7 @@ def test_tiers_arm_repetitions_interleave_with_the_paired_all_gpu_model(tmp_path
     calls = _spy_generates(monkeypatch)
     tokens = 2
     rc = bench.main(["--tiny", "--tokens", str(tokens), "--prefill", "16", "--reps", "2", "--device", "cpu", "--warmup-tokens", "5",
-                     "--arms", "tiers_25_int8", "--out", str(tmp_path)])
+                     "--interleave", "0", "--arms", "tiers_25_int8", "--out", str(tmp_path)])
     assert rc == 0
     timed = [c for c in calls if c[1] in (1, tokens + 1)]
     rep = [("tiers", 1), ("tiers", tokens + 1), ("gpu", 1), ("gpu", tokens + 1)]
