@@ -23,7 +23,8 @@ token after the first:
 
 ``~parts`` and ``~library`` arms run with one of two candidate changes to how step graphs are
 launched patched in (``experiments/step_variants.py``); every arm records its step graphs' counts
-and its greedy tokens, so a failed capture or a changed answer shows.
+and its greedy tokens, so a failed capture or a changed answer shows. With a ``tiers_100_bf16`` arm in
+the run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
 
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
 graphs hide the layers, so they are timed as a whole unless ``~nograph`` turns graphs off. Then
@@ -333,6 +334,11 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 (one arm's failure, recorded; the other arms still run)
             result["arms"][name] = {"error": repr(exc)}
         print(name, result["arms"][name], flush=True)
+    hot = result["arms"].get("tiers_100_bf16", {}).get("decode_ms_per_token")
+    for name, row in result["arms"].items():  # the issue's figure: decode over all-hot's plus its bytes at 55 GB/s
+        if hot and "decode_ms_per_token" in row and not name.startswith("tiers_100_"):
+            row["bound_ratio"] = round(row["decode_ms_per_token"] / (hot + row["bytes_ms_per_token"]), 3)
+            print(name, "x", row["bound_ratio"], "of its bytes bound", flush=True)
     write_result(args.out, result)
     return 0
 
