@@ -334,6 +334,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 (one arm's failure, recorded; the other arms still run)
             result["arms"][name] = {"error": repr(exc)}
         print(name, result["arms"][name], flush=True)
+        write_result(args.out, result)  # after each arm: a run cut short by its time limit keeps what it measured
     hot = result["arms"].get("tiers_100_bf16", {}).get("decode_ms_per_token")
     for name, row in result["arms"].items():  # the figure: decode over all-hot's plus its bytes at 55 GB/s
         if hot and "decode_ms_per_token" in row and not name.startswith("tiers_100_"):
