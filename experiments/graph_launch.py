@@ -62,18 +62,11 @@ class _Library:
     def __init__(self, src, out, handle: str):
         import ctypes
 
+        from step_variants import library_function
+
         k = _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
-        cu = self.cu = ctypes.CDLL("libcuda.so.1")
-        lib, kern = ctypes.c_void_p(), ctypes.c_void_p()
-        code = k.asm["cubin"]
-        assert cu.cuLibraryLoadData(ctypes.byref(lib), ctypes.c_char_p(code), None, None, 0, None, None, 0) == 0
-        name = getattr(k.metadata, "name", None) or k.name
-        assert cu.cuLibraryGetKernel(ctypes.byref(kern), lib, name.encode()) == 0
-        if handle == "function":
-            f = ctypes.c_void_p()
-            assert cu.cuKernelGetFunction(ctypes.byref(f), kern) == 0
-            kern = f
-        self.f, self.lib = kern, lib
+        self.cu = ctypes.CDLL("libcuda.so.1")
+        self.f = ctypes.c_void_p(library_function(k, function=handle == "function"))
         self.threads, self.shared = 32 * k.metadata.num_warps, k.metadata.shared
         extra = [n for n in ("global_scratch_size", "profile_scratch_size") if hasattr(k.metadata, n)]
         self.args = [ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int32(1 << 16)] + [ctypes.c_void_p(0) for _ in extra]

@@ -70,8 +70,9 @@ def parts():
         graph_cache.CudaGraph, Manager.serve = plain, serve
 
 
-def library_function(kernel) -> int:
-    """A ``CUfunction`` of compiled Triton ``kernel``'s cubin, loaded with ``cuLibraryLoadData``."""
+def library_function(kernel, function: bool = True) -> int:
+    """Compiled Triton ``kernel``'s cubin loaded with ``cuLibraryLoadData``: its ``CUfunction`` in
+    the current context, or (``function`` False) the context-free ``CUkernel``."""
     cu = ctypes.CDLL("libcuda.so.1")
 
     def check(r: int, what: str) -> None:
@@ -83,6 +84,8 @@ def library_function(kernel) -> int:
           "cuLibraryLoadData")
     name = getattr(kernel.metadata, "name", None) or kernel.name
     check(cu.cuLibraryGetKernel(ctypes.byref(kern), lib, name.encode()), "cuLibraryGetKernel")
+    if not function:
+        return kern.value
     check(cu.cuKernelGetFunction(ctypes.byref(fn), kern), "cuKernelGetFunction")
     if kernel.metadata.shared > 48 * 1024:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, as Triton's loader sets it
         check(cu.cuFuncSetAttribute(fn, 8, ctypes.c_int(kernel.metadata.shared)), "cuFuncSetAttribute")
