@@ -23,7 +23,8 @@ token after the first:
 
 ``~parts`` and ``~library`` arms run with one of two candidate changes to how step graphs are
 launched patched in (``experiments/step_variants.py``); every arm records its step graphs' counts
-and its greedy tokens, so a failed capture or a changed answer shows. With a ``tiers_100_bf16`` arm in
+and its greedy tokens, each step's logit sum (bitwise: where two arms part) and top-2 margin, so a
+failed capture or a changed answer shows. Any other ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in
 the run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
 
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
@@ -267,12 +268,15 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
         ms = decode_ms_per_token(m, prompt, args.tokens, device, 3)
         captures = tiers.stats(m).as_dict().get("step_graphs")  # the warm-up's and timing's: captures, failures
         mgr.reset_stats()
-        ids = m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+        out = m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
         stats = tiers.stats(m)
         moved = sum(stats.bytes_moved.values()) / args.tokens
         row = {"decode_ms_per_token": round(ms, 3), "mib_moved_per_token": round(moved / 2**20, 1),
                "bytes_ms_per_token": round(moved / 55e9 * 1e3, 3), "step_graphs_timed": captures,
-               "tokens": ids[0, prompt.shape[1]:].tolist()}
+               "tokens": out.sequences[0, prompt.shape[1]:].tolist(),
+               "logit_sums": [s.double().sum().item() for s in out.scores],  # bitwise: where two arms' logits part
+               "margins": [round((lambda t: (t[0] - t[1]).item())(s[0].float().topk(2).values), 4) for s in out.scores]}
         if "direct" not in variants or "nograph" in variants:
             marks = Marks(device.type == "cuda")
             undo = instrument(m, mgr, marks)

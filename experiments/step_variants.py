@@ -106,7 +106,13 @@ def library():
     """Relaunchers launch library-loaded functions of their kernels' cubins."""
     from tiers.quant.launch import Relauncher
 
-    learn, swapped, errors = Relauncher._learn, [], []
+    learn, check, swapped, errors, checks = Relauncher._learn, Relauncher._check, [], [], []
+
+    def check_keeping(self, calls, grid, args, real):  # keeps Triton's own function for ``same``
+        got = check(self, calls, grid, args, real)
+        if isinstance(got, tuple):
+            self._learned_triton_function = got[1]
+        return got
 
     def learn_library(self, kernel, grid, args):
         entry = learn(self, kernel, grid, args)
@@ -115,16 +121,37 @@ def library():
             try:
                 entry = (entry[0], library_function(compiled), *entry[2:])
                 swapped.append(getattr(compiled, "name", "?"))
+                same(self, entry, grid, args, getattr(compiled, "name", "?"))
             except (RuntimeError, OSError, AttributeError, KeyError) as exc:  # Triton's own function stays
                 errors.append(repr(exc))
         return entry
 
+    def same(self, entry, grid, args, name):
+        """Launch Triton's function and the library's on the same inputs (the CUDA tensors among
+        ``args`` restored between): every tensor must come out bitwise equal."""
+        if torch.cuda.is_current_stream_capturing():
+            checks.append((name, "capturing"))
+            return
+        run, function, packed, tail = entry
+        triton_fn = self._learned_triton_function
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+        before = [t.clone() for t in tensors]
+        outs = []
+        for fn in (triton_fn, function):
+            for t, b in zip(tensors, before):
+                t.copy_(b)
+            run(grid[0], grid[1], 1, self.stream(), fn, packed, None, None, None, *args, *tail)
+            torch.cuda.synchronize()
+            outs.append([t.clone() for t in tensors])
+        checks.append((name, "equal" if all(torch.equal(a, b) for a, b in zip(*outs)) else "DIFFERENT"))
+
     _forget()
-    Relauncher._learn = learn_library
+    Relauncher._learn, Relauncher._check = learn_library, check_keeping
     try:
-        yield lambda: {"library_functions": len(swapped), "kernels": sorted(set(swapped)), "library_errors": sorted(set(errors))}
+        yield lambda: {"library_functions": len(swapped), "kernels": sorted(set(swapped)), "library_errors": sorted(set(errors)),
+                       "library_checks": checks}
     finally:
-        Relauncher._learn = learn
+        Relauncher._learn, Relauncher._check = learn, check
         _forget()
 
 
