@@ -9,7 +9,8 @@ through torch's static launcher, a plain ``cuLaunchKernel`` of a module loaded a
 it (``static``), and through ``cuLaunchKernel`` of the cubin loaded with ``cuLibraryLoadData``, as
 the CUDA runtime loads its own kernels (``library_kernel``: the ``CUkernel``; ``library_function``:
 its ``CUfunction``; ``relaunch_library``: that ``CUfunction`` through the relauncher, that is
-Triton's own launcher). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn.
+Triton's own launcher). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn;
+``~none`` leaves out the 12 copies and ``~foreach`` makes them one ``torch._foreach_copy_`` kernel.
 Times the host's first ``replay()`` (the launch, after which the device starts) and the replay's
 wall time (median of 30), and names the device events of one replay (whether the driver ran the
 copies as kernels, ``memcpy32_post``). Also records Triton's launcher's launch attribute lines.
@@ -80,6 +81,7 @@ class _Library:
 
 
 def build(variant: str, parts: int = 1):
+    variant, _, copying = variant.partition("~")  # the 12 copies: device copies, or ``~foreach`` one kernel, ``~none``
     dev = torch.device("cuda")
     x = torch.zeros(4096, device=dev)
     small = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(13)]
@@ -92,7 +94,9 @@ def build(variant: str, parts: int = 1):
     lib = _Library(src, out, variant.split("_")[1]) if variant.startswith("library") else None
 
     def step(span=range(900), copies=True):
-        for s in small[1:] if copies else ():
+        if copies and copying == "foreach":
+            torch._foreach_copy_(small[1:], [small[0]] * 12)
+        for s in small[1:] if copies and not copying else ():
             s.copy_(small[0])
         for i in span:
             x.add_(1)
@@ -174,7 +178,7 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         result["launcher_attr_lines"] = repr(exc)
     for v in ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function",
-              "relaunch_library", "triton/4", "plain/4"):
+              "relaunch_library", "triton/4", "plain/4", "triton~none", "triton~foreach", "plain~foreach"):
         try:
             name, _, parts = v.partition("/")
             result["arms"][v] = timed(build(name, int(parts or 1)))

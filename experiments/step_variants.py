@@ -155,7 +155,25 @@ def library():
         _forget()
 
 
-VARIANTS = {"parts": parts, "library": library}
+@contextlib.contextmanager
+def memcpy():
+    """The step's length counters set as before ``step_graphs.set_lengths``: a device copy per layer."""
+    from tiers.graphs import step_graphs
+
+    def copies(cache, position):
+        for layer in cache.layers:
+            length = getattr(layer, "cumulative_length", None)
+            if isinstance(length, torch.Tensor):
+                length.copy_(position.reshape(length.shape))
+
+    kept, step_graphs.set_lengths = step_graphs.set_lengths, copies
+    try:
+        yield dict
+    finally:
+        step_graphs.set_lengths = kept
+
+
+VARIANTS = {"parts": parts, "library": library, "memcpy": memcpy}
 
 
 @contextlib.contextmanager

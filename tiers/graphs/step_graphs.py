@@ -188,10 +188,7 @@ class StepGraphs:
         mgr.phase.in_step = True
         try:
             with mgr.decode_graphs.inlined(), torch.no_grad():
-                for layer in self.cache.layers:  # a cache that counts its own length (newer transformers)
-                    length = getattr(layer, "cumulative_length", None)
-                    if isinstance(length, torch.Tensor):
-                        length.copy_(position.reshape(length.shape))
+                set_lengths(self.cache, position)
                 kw = {self.cache_kw: self.cache, "position_ids": position.view(1, 1), "use_cache": True, "return_dict": True}
                 if self.pass_position:
                     kw["cache_position"] = position
@@ -298,6 +295,16 @@ class StepGraphs:
 
 
 GRAPH_SAFE = "__tiers_graph_safe__"
+
+
+def set_lengths(cache: Any, position: torch.Tensor) -> None:
+    """Each layer's length counter (a cache that counts its own, newer transformers) set to
+    ``position``, in one kernel. As device copies, one per layer, they ran on the copy engine in
+    a step graph holding Triton kernels, at the graph's start (``experiments/README.md``,
+    ``graph_launch.py``)."""
+    lengths = [t for t in (getattr(layer, "cumulative_length", None) for layer in cache.layers) if isinstance(t, torch.Tensor)]
+    if lengths:
+        torch._foreach_copy_(lengths, [position.reshape(t.shape) for t in lengths])
 
 
 def graph_safe(hook: Callable) -> Callable:
