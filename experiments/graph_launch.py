@@ -162,9 +162,14 @@ def timed(graphs) -> dict:
             "events": dict(names.most_common(6))}
 
 
+ARMS = ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function", "relaunch_library",
+        "triton/4", "plain/4", "triton~none", "triton~foreach", "plain~foreach")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--arms", default=",".join(ARMS), help="a comma-separated subset of: " + ", ".join(ARMS))
     args = ap.parse_args()
     result = {"command": "python3 experiments/graph_launch.py " + " ".join(sys.argv[1:]), "triton": triton.__version__,
               "torch": torch.__version__, "device": torch.cuda.get_device_name(), "arms": {}}
@@ -177,8 +182,7 @@ def main() -> int:
         result["launcher_attr_lines"] = [ln.strip() for ln in src.splitlines() if "ATTRIBUTE" in ln or "cuLaunchKernel" in ln][:30]
     except Exception as exc:  # noqa: BLE001
         result["launcher_attr_lines"] = repr(exc)
-    for v in ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function",
-              "relaunch_library", "triton/4", "plain/4", "triton~none", "triton~foreach", "plain~foreach"):
+    for v in args.arms.split(","):
         try:
             name, _, parts = v.partition("/")
             result["arms"][v] = timed(build(name, int(parts or 1)))
