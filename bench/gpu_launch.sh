@@ -11,11 +11,11 @@ set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 source bench/gpu_env.sh
-timeout 60 python3 -m pytest -q -p no:cacheprovider -m cuda tests/tiers/graphs 2>&1 | tail -3 | tee "$out/pytest_cuda_graphs.log"
-timeout 40 python3 experiments/graph_launch.py --arms plain,triton,triton~none,triton~foreach,plain~foreach --out "$out/graph_launch.json" 2>&1 | grep -v Warn | cut -c1-200 | head -13
-timeout 160 python3 experiments/decode_marks.py --model qwen3_moe --layers 12 --tokens 32 \
+timeout 50 python3 -m pytest -q -p no:cacheprovider -m cuda tests/tiers/graphs 2>&1 | tail -3 | tee "$out/pytest_cuda_graphs.log"
+timeout 35 python3 experiments/graph_launch.py --arms plain,triton,triton~none,triton~foreach,plain~foreach --out "$out/graph_launch.json" 2>&1 | grep -v Warn | cut -c1-200 | head -13
+timeout 150 python3 experiments/decode_marks.py --model qwen3_moe --layers 12 --tokens 32 \
   --arms tiers_100_bf16,tiers_25_int4,tiers_25_int4~memcpy,tiers_25_nf4 \
   --out "$out/decode_marks-qwen3-lengths.json" 2>&1 | grep -v Warn | grep "bound\|rror" | cut -c1-300
-timeout 200 python3 experiments/decode_marks.py --model mixtral --layers 8 --tokens 32 \
-  --arms tiers_100_bf16,tiers_25_int4,tiers_25_int4~memcpy,tiers_25_nf4 \
+timeout 180 python3 experiments/decode_marks.py --model mixtral --layers 8 --tokens 32 \
+  --arms tiers_100_bf16,tiers_25_int4,tiers_25_int4~memcpy \
   --out "$out/decode_marks-mixtral-lengths.json" 2>&1 | grep -v Warn | grep "bound\|rror" | cut -c1-300
