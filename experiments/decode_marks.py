@@ -21,8 +21,8 @@ token after the first:
 - ``between_ms``: device time from a call's end to the next call's start (the next layer's
   attention, norms and router).
 
-``~parts`` and ``~library`` arms run with one of two candidate changes to how step graphs are
-launched patched in (``experiments/step_variants.py``); every arm records its step graphs' counts
+``~memcpy`` arms run with the step's length counters set by a device copy per layer, as before
+(``experiments/step_variants.py``); every arm records its step graphs' counts
 and its greedy tokens, each step's logit sum (bitwise: where two arms part) and top-2 margin, so a
 failed capture or a changed answer shows. Any other ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in
 the run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
@@ -333,7 +333,7 @@ def main() -> int:
               "device": str(device) if args.tiny else torch.cuda.get_device_name(), "arms": {}}
     for name in arms:
         try:
-            with patched(set(name.split("~")[1:])) as patches:  # ``~parts``, ``~library``: experiments/step_variants.py
+            with patched(set(name.split("~")[1:])) as patches:  # ``~memcpy``: experiments/step_variants.py
                 result["arms"][name] = dict(run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device), **patches())
         except Exception as exc:  # noqa: BLE001 (one arm's failure, recorded; the other arms still run)
             result["arms"][name] = {"error": repr(exc)}

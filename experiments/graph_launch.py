@@ -6,10 +6,8 @@ On a CUDA machine. Captures graphs of 900 small torch kernels and 12 device copi
 (``plain``) and with 12 launches of a small Triton kernel: through Triton (``triton``; reading
 pinned host memory: ``triton_pinned``), through ``quant.launch``'s relauncher (``relaunch``),
 through torch's static launcher, a plain ``cuLaunchKernel`` of a module loaded as inductor loads
-it (``static``), and through ``cuLaunchKernel`` of the cubin loaded with ``cuLibraryLoadData``, as
-the CUDA runtime loads its own kernels (``library_kernel``: the ``CUkernel``; ``library_function``:
-its ``CUfunction``; ``relaunch_library``: that ``CUfunction`` through the relauncher, that is
-Triton's own launcher). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn;
+it (``static``); the arms with the cubin loaded by ``cuLibraryLoadData`` are in this file at commit
+22ff78d (answered: as slow, ``experiments/README.md``). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn;
 ``~none`` leaves out the 12 copies and ``~foreach`` makes them one ``torch._foreach_copy_`` kernel.
 Times the host's first ``replay()`` (the launch, after which the device starts) and the replay's
 wall time (median of 30), and names the device events of one replay (whether the driver ran the
@@ -55,31 +53,6 @@ def _static(src, out):
     return sk
 
 
-class _Library:
-    """The kernel's cubin loaded with ``cuLibraryLoadData`` (as the CUDA runtime loads its own
-    kernels) and launched by ``cuLaunchKernel`` through ctypes, as a ``CUkernel`` (``handle``
-    "kernel") or its context's ``CUfunction`` ("function")."""
-
-    def __init__(self, src, out, handle: str):
-        import ctypes
-
-        from step_variants import library_function
-
-        k = _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
-        self.cu = ctypes.CDLL("libcuda.so.1")
-        self.f = ctypes.c_void_p(library_function(k, function=handle == "function"))
-        self.threads, self.shared = 32 * k.metadata.num_warps, k.metadata.shared
-        extra = [n for n in ("global_scratch_size", "profile_scratch_size") if hasattr(k.metadata, n)]
-        self.args = [ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(out.data_ptr()), ctypes.c_int32(1 << 16)] + [ctypes.c_void_p(0) for _ in extra]
-        self.params = (ctypes.c_void_p * len(self.args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in self.args])
-
-    def run(self, stream: int) -> None:
-        import ctypes
-
-        r = self.cu.cuLaunchKernel(self.f, 64, 1, 1, self.threads, 1, 1, self.shared, ctypes.c_void_p(stream), self.params, None)
-        assert r == 0, r
-
-
 def build(variant: str, parts: int = 1):
     variant, _, copying = variant.partition("~")  # the 12 copies: device copies, or ``~foreach`` one kernel, ``~none``
     dev = torch.device("cuda")
@@ -91,7 +64,6 @@ def build(variant: str, parts: int = 1):
 
     re = triton_relauncher(_touch, dict(BLOCK=1024))
     static = _static(src, out) if variant == "static" else None
-    lib = _Library(src, out, variant.split("_")[1]) if variant.startswith("library") else None
 
     def step(span=range(900), copies=True):
         if copies and copying == "foreach":
@@ -103,21 +75,12 @@ def build(variant: str, parts: int = 1):
             if variant != "plain" and i % 75 == 0:
                 if variant.startswith("relaunch"):
                     re((64, 1), (src, out, 1 << 16), "k")
-                elif lib is not None:
-                    lib.run(torch.cuda.current_stream().cuda_stream)
                 elif variant == "static":
                     static.run(64, 1, 1, torch.cuda.current_stream().cuda_stream, src, out, 1 << 16)
                 else:
                     _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
     for _ in range(3):
         step()
-    if variant == "relaunch_library":  # the relauncher's learned call (Triton's own launcher), its function swapped
-        run, _f, packed, tail = re._learned["k"]
-        swapped = _Library(src, out, "function")
-        re._learned["k"] = (run, swapped.f.value, packed, tail)
-        out.zero_()
-        step()
-        assert torch.equal(out, src), "the library-loaded function computes what Triton's does"
     torch.cuda.synchronize()
     graphs, pool = [], None
     s = torch.cuda.Stream()
@@ -162,8 +125,8 @@ def timed(graphs) -> dict:
             "events": dict(names.most_common(6))}
 
 
-ARMS = ("plain", "triton", "relaunch", "triton_pinned", "static", "library_kernel", "library_function", "relaunch_library",
-        "triton/4", "plain/4", "triton~none", "triton~foreach", "plain~foreach")
+ARMS = ("plain", "triton", "relaunch", "triton_pinned", "static", "triton/4", "plain/4", "triton~none", "triton~foreach",
+        "plain~foreach")
 
 
 def main() -> int:
