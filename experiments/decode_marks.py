@@ -21,11 +21,11 @@ token after the first:
 - ``between_ms``: device time from a call's end to the next call's start (the next layer's
   attention, norms and router).
 
-``~memcpy`` arms run with the step's length counters set by a device copy per layer, as before
-(``experiments/step_variants.py``); every arm records its step graphs' counts
-and its greedy tokens, each step's logit sum (bitwise: where two arms part) and top-2 margin, so a
-failed capture or a changed answer shows. Any other ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in
-the run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
+Every arm records its step graphs' counts, the host time of each step graph's launch (``replay()``,
+no profiler: ``launch_ms``, median and count), its greedy tokens and each step's raw logit sum
+(bitwise: where two arms part) and top-2 margin, so a failed capture or a changed answer shows. An
+unknown ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in the
+run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
 
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
 graphs hide the layers, so they are timed as a whole unless ``~nograph`` turns graphs off. Then
@@ -47,6 +47,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -242,6 +243,24 @@ def _profiled(m, prompt, tokens: int) -> tuple[dict, float, float]:
     return by, busy / 1e6, wall * 1e3
 
 
+@contextlib.contextmanager
+def replay_times():
+    """The host milliseconds of each CUDA graph ``replay()`` meanwhile (the launch; the device
+    starts a step graph when it returns), in a list."""
+    times, replay = [], torch.cuda.CUDAGraph.replay
+
+    def timed(graph):
+        t0 = time.perf_counter()
+        replay(graph)
+        times.append((time.perf_counter() - t0) * 1e3)
+
+    torch.cuda.CUDAGraph.replay = timed
+    try:
+        yield times
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+
+
 def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int, device: torch.device) -> dict:
     import tiers
     from tiers.api import manager_of
@@ -268,15 +287,17 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
         ms = decode_ms_per_token(m, prompt, args.tokens, device, 3)
         captures = tiers.stats(m).as_dict().get("step_graphs")  # the warm-up's and timing's: captures, failures
         mgr.reset_stats()
-        out = m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0,
-                         output_scores=True, return_dict_in_generate=True)
+        with replay_times() as launches:
+            out = m.generate(prompt, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False, pad_token_id=0,
+                             output_logits=True, return_dict_in_generate=True)
         stats = tiers.stats(m)
         moved = sum(stats.bytes_moved.values()) / args.tokens
         row = {"decode_ms_per_token": round(ms, 3), "mib_moved_per_token": round(moved / 2**20, 1),
                "bytes_ms_per_token": round(moved / 55e9 * 1e3, 3), "step_graphs_timed": captures,
                "tokens": out.sequences[0, prompt.shape[1]:].tolist(),
-               "logit_sums": [s.double().sum().item() for s in out.scores],  # bitwise: where two arms' logits part
-               "margins": [round((lambda t: (t[0] - t[1]).item())(s[0].float().topk(2).values), 4) for s in out.scores]}
+               "launch_ms": [round(statistics.median(launches), 4) if launches else None, len(launches)],
+               "logit_sums": [s.double().sum().item() for s in out.logits],  # bitwise: where two arms' logits part
+               "margins": [round((lambda t: (t[0] - t[1]).item())(s[0].float().topk(2).values), 4) for s in out.logits]}
         if "direct" not in variants or "nograph" in variants:
             marks = Marks(device.type == "cuda")
             undo = instrument(m, mgr, marks)
@@ -317,7 +338,6 @@ def main() -> int:
     from tiers.loader.pack import pack
     from tiers.tools.bench_arms import arm_precisions
     from tiers.tools.measure import SHAPES, TINY, build, expert_bytes_of, write_result
-    from step_variants import patched
 
     shape = dict((TINY if args.tiny else SHAPES)[args.model], layers=args.layers)
     model = build(args.model, shape, device)
@@ -333,8 +353,7 @@ def main() -> int:
               "device": str(device) if args.tiny else torch.cuda.get_device_name(), "arms": {}}
     for name in arms:
         try:
-            with patched(set(name.split("~")[1:])) as patches:  # ``~memcpy``: experiments/step_variants.py
-                result["arms"][name] = dict(run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device), **patches())
+            result["arms"][name] = run_arm(name, args, work / "packed", expert_bytes, prompt, top_k, device)
         except Exception as exc:  # noqa: BLE001 (one arm's failure, recorded; the other arms still run)
             result["arms"][name] = {"error": repr(exc)}
         print(name, result["arms"][name], flush=True)

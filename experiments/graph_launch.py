@@ -8,7 +8,11 @@ pinned host memory: ``triton_pinned``), through ``quant.launch``'s relauncher (`
 through torch's static launcher, a plain ``cuLaunchKernel`` of a module loaded as inductor loads
 it (``static``); the arms with the cubin loaded by ``cuLibraryLoadData`` are in this file at commit
 22ff78d (answered: as slow, ``experiments/README.md``). ``/4`` captures the same work as 4 graphs sharing a pool, replayed in turn;
-``~none`` leaves out the 12 copies and ``~foreach`` makes them one ``torch._foreach_copy_`` kernel.
+``~none`` leaves out the 12 copies and ``~foreach`` makes them one ``torch._foreach_copy_`` kernel;
+``:N`` captures N small kernels instead of 900, ``+other`` replays a second graph after it. Kinds
+beside Triton's, each launched 12 times among the small kernels: a jiterator (NVRTC) kernel
+(``jiter``), a ``torch.cat`` of 40 tensors (parameters passed by value, ``cat``), a cuBLAS ``mv``,
+a copy from pinned memory (``h2d``); ``triton1`` launches the Triton kernel once.
 Times the host's first ``replay()`` (the launch, after which the device starts) and the replay's
 wall time (median of 30), and names the device events of one replay (whether the driver ran the
 copies as kernels, ``memcpy32_post``). Also records Triton's launcher's launch attribute lines.
@@ -55,8 +59,14 @@ def _static(src, out):
 
 def build(variant: str, parts: int = 1):
     variant, _, copying = variant.partition("~")  # the 12 copies: device copies, or ``~foreach`` one kernel, ``~none``
+    variant, _, adds = variant.partition(":")  # ``:N`` small kernels instead of 900
+    n = int(adds or 900)
     dev = torch.device("cuda")
     x = torch.zeros(4096, device=dev)
+    w, v, mv_out = torch.randn(256, 256, device=dev), torch.randn(256, device=dev), torch.empty(256, device=dev)
+    pieces, cat_out = [torch.ones(4, device=dev) for _ in range(40)], torch.empty(160, device=dev)
+    pinned, landed = torch.ones(1024).pin_memory(), torch.empty(1024, device=dev)
+    jit = torch.cuda.jiterator._create_jit_fn("template <typename T> T touch(T a) { return a; }") if variant == "jiter" else None
     small = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(13)]
     src = torch.ones(1 << 16, device=dev) if variant != "triton_pinned" else torch.ones(1 << 16).pin_memory()
     out = torch.empty(1 << 16, device=dev)
@@ -65,27 +75,40 @@ def build(variant: str, parts: int = 1):
     re = triton_relauncher(_touch, dict(BLOCK=1024))
     static = _static(src, out) if variant == "static" else None
 
-    def step(span=range(900), copies=True):
+    def other(i):  # the kind's own launch among the small kernels: 12 of them, or one (``triton1``)
+        if variant == "triton1" and i == 0:
+            _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
+        elif variant not in ("plain", "triton1") and i % 75 == 0:
+            if variant.startswith("relaunch"):
+                re((64, 1), (src, out, 1 << 16), "k")
+            elif variant == "static":
+                static.run(64, 1, 1, torch.cuda.current_stream().cuda_stream, src, out, 1 << 16)
+            elif variant == "jiter":
+                out.copy_(jit(src))
+            elif variant == "cat":
+                torch.cat(pieces, out=cat_out)
+            elif variant == "mv":
+                torch.mv(w, v, out=mv_out)
+            elif variant == "h2d":
+                landed.copy_(pinned, non_blocking=True)
+            else:
+                _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
+
+    def step(span=range(n), copies=True):
         if copies and copying == "foreach":
             torch._foreach_copy_(small[1:], [small[0]] * 12)
         for s in small[1:] if copies and not copying else ():
             s.copy_(small[0])
         for i in span:
             x.add_(1)
-            if variant != "plain" and i % 75 == 0:
-                if variant.startswith("relaunch"):
-                    re((64, 1), (src, out, 1 << 16), "k")
-                elif variant == "static":
-                    static.run(64, 1, 1, torch.cuda.current_stream().cuda_stream, src, out, 1 << 16)
-                else:
-                    _touch[(64,)](src, out, 1 << 16, BLOCK=1024)
+            other(i)
     for _ in range(3):
         step()
     torch.cuda.synchronize()
     graphs, pool = [], None
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    bounds = [900 * i // parts for i in range(parts + 1)]
+    bounds = [n * i // parts for i in range(parts + 1)]
     with torch.cuda.stream(s):
         for a, b in zip(bounds, bounds[1:]):
             g = torch.cuda.CUDAGraph()
@@ -126,7 +149,7 @@ def timed(graphs) -> dict:
 
 
 ARMS = ("plain", "triton", "relaunch", "triton_pinned", "static", "triton/4", "plain/4", "triton~none", "triton~foreach",
-        "plain~foreach")
+        "plain~foreach", "plain:225", "plain:3600", "plain+other", "triton1", "jiter", "cat", "mv", "h2d")
 
 
 def main() -> int:
@@ -148,7 +171,9 @@ def main() -> int:
     for v in args.arms.split(","):
         try:
             name, _, parts = v.partition("/")
-            result["arms"][v] = timed(build(name, int(parts or 1)))
+            name, _, also = name.partition("+")  # ``+other``: another graph of the same kind, replayed after it
+            graphs = build(name, int(parts or 1))
+            result["arms"][v] = timed(graphs + (build(name) if also else []))
         except Exception as exc:  # noqa: BLE001
             result["arms"][v] = repr(exc)
         print(v, result["arms"][v], flush=True)

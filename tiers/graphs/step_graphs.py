@@ -299,12 +299,12 @@ GRAPH_SAFE = "__tiers_graph_safe__"
 
 def set_lengths(cache: Any, position: torch.Tensor) -> None:
     """Each layer's length counter (a cache that counts its own, newer transformers) set to
-    ``position``, in one kernel. As device copies, one per layer, they ran on the copy engine in
-    a step graph holding Triton kernels, at the graph's start (``experiments/README.md``,
-    ``graph_launch.py``)."""
-    lengths = [t for t in (getattr(layer, "cumulative_length", None) for layer in cache.layers) if isinstance(t, torch.Tensor)]
-    if lengths:
-        torch._foreach_copy_(lengths, [position.reshape(t.shape) for t in lengths])
+    ``position``, by a device copy per layer. One ``torch._foreach_copy_`` kernel instead made a
+    graph's launch slower on the H200 (``experiments/README.md``, ``graph_launch.py``)."""
+    for layer in cache.layers:
+        length = getattr(layer, "cumulative_length", None)
+        if isinstance(length, torch.Tensor):
+            length.copy_(position.reshape(length.shape))
 
 
 def graph_safe(hook: Callable) -> Callable:

@@ -1,7 +1,6 @@
 """Step graphs' length counters (``tiers.graphs.step_graphs.set_lengths``): every tensor counter
-of the cache's layers set to the step's position, in one kernel, so that a step graph holds no
-device copy for them (on the H200 a graph holding Triton kernels ran such copies on the copy
-engine, one after another, before its first kernel)."""
+of the cache's layers set to the step's position, and in a captured graph to the position of each
+replay."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -32,9 +31,7 @@ def test_every_tensor_counter_takes_the_position_and_nothing_else_changes(device
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_captured_step_sets_the_counters_with_one_kernel_and_no_copy():
-    from torch.profiler import ProfilerActivity, profile
-
+def test_a_captured_step_sets_the_counters_to_each_replays_position():
     cache, position = _cache(torch.device("cuda")), torch.tensor([4], device="cuda")
     set_lengths(cache, position)  # warm-up outside the capture
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
@@ -45,9 +42,6 @@ def test_a_captured_step_sets_the_counters_with_one_kernel_and_no_copy():
         graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     position.fill_(11)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    names = [e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CUDA]
-    assert len(names) == 1 and "memcpy" not in names[0].lower(), names
+    graph.replay()
+    torch.cuda.synchronize()
     assert cache.layers[0].cumulative_length.tolist() == [11] and cache.layers[3].cumulative_length.item() == 11
