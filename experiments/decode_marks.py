@@ -23,8 +23,9 @@ token after the first:
 
 Every arm records its step graphs' counts, the host time of each step graph's launch (``replay()``,
 no profiler: ``launch_ms``, median and count), its greedy tokens and each step's raw logit sum
-(bitwise: where two arms part) and top-2 margin, so a failed capture or a changed answer shows. An
-unknown ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in the
+(bitwise: where two arms part) and top-2 margin, so a failed capture or a changed answer shows. ``~foreach``
+arms set the step's length counters with one ``torch._foreach_copy_`` kernel instead of a device
+copy per layer. An unknown ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in the
 run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
 
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
@@ -278,6 +279,11 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
         cfg["tiers"]["gpu"]["graphs"] = False
     if "direct" in variants:
         DirectPath.MISS_BYTES = float("inf")
+    from tiers.graphs import step_graphs
+
+    set_lengths = step_graphs.set_lengths
+    if "foreach" in variants:  # the step's length counters set by one kernel, not a device copy per layer
+        step_graphs.set_lengths = _foreach_lengths
     try:
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
@@ -319,6 +325,13 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
         return row
     finally:
         DirectPath.MISS_BYTES = was
+        step_graphs.set_lengths = set_lengths
+
+
+def _foreach_lengths(cache, position: torch.Tensor) -> None:
+    lengths = [t for t in (getattr(layer, "cumulative_length", None) for layer in cache.layers) if isinstance(t, torch.Tensor)]
+    if lengths:
+        torch._foreach_copy_(lengths, [position.reshape(t.shape) for t in lengths])
 
 
 def main() -> int:
