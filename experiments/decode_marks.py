@@ -49,6 +49,7 @@ if __name__ == "__main__":
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import gc  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -370,6 +371,9 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 (one arm's failure, recorded; the other arms still run)
             result["arms"][name] = {"error": repr(exc)}
         print(name, result["arms"][name], flush=True)
+        gc.collect()  # the arm's model and graphs gone before the next arm's capture, as tools/bench_run does
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         write_result(args.out, result)  # after each arm: a run cut short by its time limit keeps what it measured
     hot = result["arms"].get("tiers_100_bf16", {}).get("decode_ms_per_token")
     for name, row in result["arms"].items():  # the figure: decode over all-hot's plus its bytes at 55 GB/s
