@@ -25,7 +25,7 @@ Every arm records its step graphs' counts, the host time of each step graph's la
 no profiler: ``launch_ms``, median and count), its greedy tokens and each step's raw logit sum
 (bitwise: where two arms part) and top-2 margin, so a failed capture or a changed answer shows. ``~foreach``
 arms set the step's length counters with one ``torch._foreach_copy_`` kernel instead of a device
-copy per layer. An unknown ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in the
+copy per layer; ``~shared`` arms make the counters views of one tensor, set by one copy kernel. An unknown ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in the
 run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
 
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
@@ -285,6 +285,8 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
     set_lengths = step_graphs.set_lengths
     if "foreach" in variants:  # the step's length counters set by one kernel, not a device copy per layer
         step_graphs.set_lengths = _foreach_lengths
+    if "shared" in variants:  # the counters made views of one tensor, set by one small copy kernel
+        step_graphs.set_lengths = _shared_lengths
     try:
         m = tiers.load(packed, cfg, device=device, progress=False)
         mgr = manager_of(m)
@@ -333,6 +335,23 @@ def _foreach_lengths(cache, position: torch.Tensor) -> None:
     lengths = [t for t in (getattr(layer, "cumulative_length", None) for layer in cache.layers) if isinstance(t, torch.Tensor)]
     if lengths:
         torch._foreach_copy_(lengths, [position.reshape(t.shape) for t in lengths])
+
+
+def _shared_lengths(cache, position: torch.Tensor) -> None:
+    """The layers' scalar counters rebound, at the first (eager) step of a cache, to views of one
+    tensor, which then takes the position by one copy from an expanded (so not memcpy-able) source."""
+    layers = [layer for layer in cache.layers if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    if not layers:
+        return
+    shared = getattr(cache, "_marks_lengths", None)
+    if shared is None or any(layer.cumulative_length.data_ptr() != shared[i].data_ptr() for i, layer in enumerate(layers)):
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the shared length counters must be made outside a capture")
+        shared = torch.stack([layer.cumulative_length.reshape(()) for layer in layers])
+        for i, layer in enumerate(layers):
+            layer.cumulative_length = shared[i]
+        cache._marks_lengths = shared
+    shared.copy_(position.reshape(1).expand(len(layers)))
 
 
 def main() -> int:
