@@ -43,7 +43,6 @@ if __name__ == "__main__":
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
