@@ -23,10 +23,12 @@ token after the first:
 
 Every arm records its step graphs' counts, the host time of each step graph's launch (``replay()``,
 no profiler: ``launch_ms``, median and count), its greedy tokens and each step's raw logit sum
-(bitwise: where two arms part) and top-2 margin, so a failed capture or a changed answer shows. ``~foreach``
-arms set the step's length counters with one ``torch._foreach_copy_`` kernel instead of a device
-copy per layer; ``~shared`` arms make the counters views of one tensor, set by one copy kernel. An unknown ``~word`` (``~r2``) repeats an arm under another name. With a ``tiers_100_bf16`` arm in the
-run, every other arm's ``bound_ratio`` is its decode over all-hot's plus its bytes at 55 GB/s.
+(bitwise: where two arms part) and top-2 margin, so a failed capture or a changed answer shows.
+``~foreach`` arms set the step's length counters with one ``torch._foreach_copy_`` kernel instead
+of a device copy per layer; ``~shared`` arms make the counters views of one tensor, set by one
+copy kernel. An unknown ``~word`` (``~r2``) repeats an arm under another name. With a
+``tiers_100_bf16`` arm in the run, every other arm's ``bound_ratio`` is its decode over all-hot's
+plus its bytes at 55 GB/s.
 
 ``~direct`` arms run every decode stage direct (``DirectPath.MISS_BYTES`` unbounded); their step
 graphs hide the layers, so they are timed as a whole unless ``~nograph`` turns graphs off. Then
