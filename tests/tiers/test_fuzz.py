@@ -3,8 +3,7 @@ to the clean pack's logits or raise IntegrityError or a ValueError naming the fi
 another exception, a crash, a hang or a read outside the pack (``tests/fuzz_cases.py``).
 
 ``CASES`` cases on two workers: 31 s alone on two CPU cores (50 s on one worker), about 70 s in the
-full suite; ``experiments/fuzz_campaign.py``
-runs the same harness for thousands. The harness's own tests come first: each verdict it gives
+full suite; ``experiments/fuzz_campaign.py`` runs the same harness for thousands. The harness's own tests come first: each verdict it gives
 for a bad result is shown to be given (a check that cannot fail would pass a broken library).
 """
 from __future__ import annotations
