@@ -2,9 +2,10 @@
 to the clean pack's logits or raise IntegrityError or a ValueError naming the file or key; never
 another exception, a crash, a hang or a read outside the pack (``tests/fuzz_cases.py``).
 
-``CASES`` cases on two workers: 31 s alone on two CPU cores (50 s on one worker), about 70 s in the
-full suite; ``experiments/fuzz_campaign.py`` runs the same harness for thousands. The harness's own tests come first: each verdict it gives
-for a bad result is shown to be given (a check that cannot fail would pass a broken library).
+``CASES`` cases on two workers: 31 s alone on two CPU cores (50 s on one worker), about 70 s in
+the full suite; ``experiments/fuzz_campaign.py`` runs the same harness for thousands. The
+harness's own tests come first: each verdict it gives for a bad result is shown to be given (a
+check that cannot fail would pass a broken library).
 """
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ def test_an_unchanged_pack_is_equal_and_a_broken_one_caught(clean):
 # -- the suite -------------------------------------------------------------------------------------
 def test_fuzz(clean):
     t0 = time.perf_counter()
-    # two workers (each a fork of this process with its own watch) take the cases in turn; the verdicts come back in plan order
+    # the workers (each a fork of this process with its own watch) take the cases in turn; the verdicts come back in plan order
     with multiprocessing.get_context("fork").Pool(WORKERS) as pool:
         verdicts = pool.starmap(run_case, [(clean, kind, seed) for kind, seed in plan(CASES, SEED)], chunksize=1)
     summary = summarize(verdicts)
