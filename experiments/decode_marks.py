@@ -333,13 +333,10 @@ def run_arm(name: str, args, packed: Path, expert_bytes: int, prompt, top_k: int
         step_graphs.set_lengths = set_lengths
 
 
-def _counted(cache) -> list:
-    """The cache's layers whose length counter is a tensor (those ``set_lengths`` sets)."""
-    return [layer for layer in cache.layers if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
-
-
 def _foreach_lengths(cache, position: torch.Tensor) -> None:
-    lengths = [layer.cumulative_length for layer in _counted(cache)]
+    from tiers.graphs.step_graphs import counted_layers
+
+    lengths = [layer.cumulative_length for layer in counted_layers(cache)]
     if lengths:
         torch._foreach_copy_(lengths, [position.reshape(t.shape) for t in lengths])
 
@@ -347,7 +344,9 @@ def _foreach_lengths(cache, position: torch.Tensor) -> None:
 def _shared_lengths(cache, position: torch.Tensor) -> None:
     """The layers' scalar counters rebound, at the first (eager) step of a cache, to views of one
     tensor, which then takes the position by one copy from an expanded (so not memcpy-able) source."""
-    layers = _counted(cache)
+    from tiers.graphs.step_graphs import counted_layers
+
+    layers = counted_layers(cache)
     if not layers:
         return
     shared = getattr(cache, "_marks_lengths", None)

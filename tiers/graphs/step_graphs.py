@@ -301,10 +301,13 @@ def set_lengths(cache: Any, position: torch.Tensor) -> None:
     """Each layer's length counter (a cache that counts its own, newer transformers) set to
     ``position``, by a device copy per layer. Whether one kernel for them all decodes faster is
     what ``experiments/decode_marks.py``'s ``~foreach`` and ``~shared`` arms measure."""
-    for layer in cache.layers:
-        length = getattr(layer, "cumulative_length", None)
-        if isinstance(length, torch.Tensor):
-            length.copy_(position.reshape(length.shape))
+    for layer in counted_layers(cache):
+        layer.cumulative_length.copy_(position.reshape(layer.cumulative_length.shape))
+
+
+def counted_layers(cache: Any) -> list:
+    """The cache's layers whose length counter is a tensor (those ``set_lengths`` sets)."""
+    return [layer for layer in cache.layers if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
 
 
 def graph_safe(hook: Callable) -> Callable:
